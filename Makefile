@@ -1,0 +1,41 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Numba's compiled-kernel cache lives inside the clone, so a fresh clone starts empty
+# and a stale cache from another checkout can never be picked up.
+export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
+DEMO_DIR ?= .demo
+
+.PHONY: demo test lint lab bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/python -m ipykernel install --prefix $(VENV) --name waste --display-name "waste (.venv)" > /dev/null
+	touch $@
+
+$(VENV): $(VENV)/.installed
+
+demo: $(VENV)
+	$(BIN)/waste demo --work-dir $(DEMO_DIR)
+
+test: $(VENV)
+	$(BIN)/ruff check waste tests bench
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)
+	$(BIN)/ruff check waste tests bench
+
+lab: $(VENV)
+	$(BIN)/jupyter lab --notebook-dir=notebooks
+
+bench: $(VENV)
+	$(BIN)/python bench/kda.py
+	$(BIN)/python bench/quant.py
+	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/streaming.py
+
+clean:
+	rm -rf $(VENV) .numba_cache $(DEMO_DIR) .pytest_cache

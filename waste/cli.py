@@ -1,0 +1,129 @@
+"""The `waste` command line: plan, synth, convert, info, verify, run, check, demo.
+
+Exit codes: 0 success, 1 a check failed, 2 bad input (a one-line message naming the
+problem; `--debug` shows the traceback). Each subcommand's work lives in its own module;
+this file only declares the arguments and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+from collections.abc import Sequence
+
+from waste.errors import CheckFailed, WasteError
+
+# subcommand -> "module:function" taking the parsed args and returning an exit code
+HANDLERS = {
+    "plan": "waste.plan:cmd_plan",
+    "synth": "waste.synth:cmd_synth",
+    "convert": "waste.container.convert:cmd_convert",
+    "info": "waste.container.inspect:cmd_info",
+    "verify": "waste.container.inspect:cmd_verify",
+    "run": "waste.engine.cli:cmd_run",
+    "check": "waste.engine.cli:cmd_check",
+    "demo": "waste.demo:cmd_demo",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise WasteError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="waste", description="WASTE research workbench")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("plan", help="memory plan of a preset, config.json or container")
+    s.add_argument("target", help="preset name, path to config.json (or its directory), or a NAME.waste container")
+    s.add_argument("--context", default="4K", help="context length in tokens: 4096, 4K, 128K, 1M (default 4K)")
+    s.add_argument("--ram", help="RAM budget, e.g. 24G: shows the room left for the expert cache")
+    s.add_argument("--state-dtype", choices=("f32", "bf16"), default="f32", help="dtype of KDA state and MLA cache")
+    s.add_argument("--quant", choices=("bf16", "f32", "q8", "q4"), default=None,
+                   help="weight scheme to size (default: the container's, else q4)")
+    s.add_argument("--sweep", action="store_true", help="context-dependent lines from 1K to the model's maximum")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    s = sub.add_parser("synth", help="write a random Hugging Face style checkpoint for a preset")
+    s.add_argument("preset", help="preset name or path to a config.json")
+    s.add_argument("out_dir")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    s.add_argument("--shard-size", default="512M", help="largest shard before a new one starts (default 512M)")
+    s.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+
+    s = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a NAME.waste container")
+    s.add_argument("hf_dir")
+    s.add_argument("out")
+    s.add_argument("--quant", choices=("f32", "q8", "q4"), default="q8")
+    s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("info", help="summary of a container")
+    s.add_argument("container")
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("verify", help="check every CRC and bound of a container")
+    s.add_argument("container")
+
+    s = sub.add_parser("run", help="generate tokens from a container")
+    s.add_argument("container")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
+    s.add_argument("--max-new", type=int, default=16)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--prefill-chunk", type=int, default=32)
+    s.add_argument("--router-weights", choices=("unbiased", "biased"), default="unbiased")
+    s.add_argument("--logits-out", help="write float32 logits [prompt_len + max_new, vocab] to this .npy")
+    s.add_argument("--expert-cache", default=None, help="byte budget of the expert cache (0 disables), e.g. 2G")
+    s.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
+    s.add_argument("--read-threads", type=int, default=4)
+    s.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT where possible")
+    s.add_argument("--trace-out", help="write the routing trace to this .npz")
+    s.add_argument("--session-in", help="resume from this session file")
+    s.add_argument("--session-out", help="save the session after the run")
+
+    s = sub.add_parser("check", help="engine against the float64 oracle, per layer")
+    s.add_argument("container")
+    s.add_argument("--prompt-len", type=int, default=80)
+    s.add_argument("--new", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--prefill-chunk", type=int, default=32)
+    s.add_argument("--tolerance", type=float, default=None, help="relative error allowed (default by scheme)")
+
+    s = sub.add_parser("demo", help="the whole pipeline on the tiny preset")
+    s.add_argument("--work-dir", default=".demo", help="where the synthesised checkpoint and container live")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        module_name, func_name = HANDLERS[args.command].split(":")
+        handler = getattr(importlib.import_module(module_name), func_name)
+        return int(handler(args) or 0)
+    except (WasteError, CheckFailed) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"waste: error: {e}" if isinstance(e, WasteError) else f"waste: check failed: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("waste: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Parsing and printing of sizes and token counts for the command line and reports."""
+
+from __future__ import annotations
+
+import re
+
+from waste.errors import WasteError
+
+_BINARY = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+
+
+def parse_count(text: str | int, what: str = "count") -> int:
+    """A token count such as 4096, 4K, 128K or 1M (binary multiples: 4K = 4096)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m or m.group(3):
+            raise WasteError(f"{what} {text!r}: expected a whole number such as 4096, 4K, 128K or 1M")
+        value_f = float(m.group(1)) * _BINARY[m.group(2).upper()]
+        if value_f != int(value_f):
+            raise WasteError(f"{what} {text!r}: not a whole number of tokens")
+        value = int(value_f)
+    if value < 0:
+        raise WasteError(f"{what} {text!r}: must not be negative")
+    return value
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """A byte size such as 512M, 24G, 24GiB or 1073741824 (binary multiples)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise WasteError(f"{what} {text!r}: expected a byte size such as 512M, 24G or 24GiB")
+    return int(float(m.group(1)) * _BINARY[m.group(2).upper()])
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units with three significant figures: 414 MiB, 1.50 GiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(n: int) -> str:
+    """A token count in the K/M form used for contexts: 4K, 128K, 1M, 1536."""
+    for unit, mult in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
