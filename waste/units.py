@@ -44,7 +44,7 @@ def human_bytes(n: float) -> str:
         if abs(value) < 1024 or unit == "PiB":
             if unit == "B":
                 return f"{int(value)} B"
-            return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+            return f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

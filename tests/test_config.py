@@ -1,0 +1,95 @@
+"""Config parsing: both model types, the layer partition, variant detection, bad input."""
+
+import copy
+import json
+
+import pytest
+
+from waste.config import PRESETS, load_config_file, load_preset, parse_config, preset_dict
+from waste.errors import ConfigError
+
+
+def test_kimi_linear_preset_matches_the_published_shape():
+    cfg = load_preset("kimi-linear-48b-a3b")
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (2304, 27, 163840)
+    # 1-based full_attn_layers [4, 8, ..., 24, 27] become 0-based 3, 7, ..., 23, 26
+    assert cfg.mla_layers == [3, 7, 11, 15, 19, 23, 26]
+    assert len(cfg.kda_layers) == 20
+    assert cfg.kda_gate == "softplus" and cfg.gate_lower_bound is None
+    assert not cfg.kda_full_rank_gate and not cfg.mla_output_gate and cfg.q_lora_rank is None
+    assert cfg.mla_latent_size == 576 and cfg.kda_proj_size == 4096
+    assert (cfg.num_experts, cfg.num_experts_per_token, cfg.num_shared_experts) == (256, 8, 1)
+    assert cfg.routed_scaling_factor == 2.446 and cfg.first_k_dense_replace == 1
+    assert cfg.moe_layers == list(range(1, 27))
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (163584, 163586, 163839)
+
+
+def test_k3_preset_reads_text_config_and_detects_variants():
+    cfg = load_preset("k3")
+    assert cfg.model_type == "kimi_k3"
+    assert (cfg.num_layers, len(cfg.kda_layers), len(cfg.mla_layers)) == (93, 69, 24)
+    assert cfg.mla_layers[-2:] == [91, 92]
+    assert cfg.kda_gate == "lower_bound" and cfg.gate_lower_bound == -5.0
+    assert cfg.kda_full_rank_gate and cfg.mla_output_gate and cfg.q_lora_rank == 1536
+    assert cfg.expert_input_size == 3584 and cfg.hidden_act == "situ"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_parses_and_partitions_its_layers(name):
+    cfg = load_preset(name)
+    assert len(cfg.layer_kinds) == cfg.num_layers
+    assert sorted(cfg.kda_layers + cfg.mla_layers) == list(range(cfg.num_layers))
+
+
+def test_tiny_and_mini_have_the_shapes_the_issue_asks_for():
+    tiny, mini = load_preset("tiny"), load_preset("mini")
+    assert tiny.first_k_dense_replace == 1 and tiny.num_experts > tiny.num_experts_per_token > 1
+    assert any(i < tiny.num_layers - 1 for i in tiny.mla_layers)
+    assert 768 <= mini.hidden_size <= 1536 and mini.num_layers >= 8 and mini.num_experts >= 64
+    assert mini.kda_head_dim == 128
+
+
+def _broken(mutate):
+    d = copy.deepcopy(preset_dict("kimi-linear-48b-a3b"))
+    mutate(d)
+    return d
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.pop("hidden_size"), "'hidden_size' is missing"),
+        (lambda d: d.update(hidden_size="big"), "'hidden_size': expected an integer"),
+        (lambda d: d.update(model_type="llama"), "'model_type': expected one of"),
+        (lambda d: d["linear_attn_config"]["kda_layers"].remove(5), "missing [5]"),
+        (lambda d: d["linear_attn_config"]["kda_layers"].append(4), "layer 4 is listed twice"),
+        (lambda d: d["linear_attn_config"]["full_attn_layers"].append(28), "outside 1..27"),
+        (lambda d: d["linear_attn_config"].update(gate_lower_bound=5.0), "expected a negative number"),
+        (lambda d: d.update(num_experts_per_token=300), "exceeds num_experts"),
+        (lambda d: d.update(num_expert_group=3), "cannot form 3 groups"),
+        (lambda d: d.update(moe_router_activation_func="softmax"), "expected 'sigmoid'"),
+        (lambda d: d.pop("linear_attn_config"), "'linear_attn_config' is missing"),
+    ],
+)
+def test_bad_config_names_the_key(mutate, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(_broken(mutate))
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_k3_error_paths_name_the_nested_key():
+    d = copy.deepcopy(preset_dict("k3"))
+    del d["text_config"]["linear_attn_config"]["num_heads"]
+    with pytest.raises(ConfigError, match=r"text_config\.linear_attn_config\.num_heads"):
+        parse_config(d)
+
+
+def test_config_file_and_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(preset_dict("tiny")))
+    assert load_config_file(tmp_path) == load_config_file(tmp_path / "config.json") == load_preset("tiny")
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config_file(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config_file(tmp_path / "absent.json")

@@ -1,0 +1,115 @@
+"""The memory planner against hand-computed figures."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from waste.cli import main
+from waste.config import load_preset
+from waste.plan import all_mla_state_bytes, make_plan, state_bytes, sweep_contexts
+
+MiB = 1 << 20
+
+
+def test_k3_reproduces_the_seed_figures_exactly():
+    s = state_bytes(load_preset("k3"), 4096)
+    assert s.kda_state == 69 * 96 * 128 * 128 * 4 == 414 * MiB
+    assert s.mla_latent == 24 * 4096 * 576 * 4 == 216 * MiB
+    assert s.conv_rings == 69 * 3 * 3 * 12288 * 4  # 29.1 MiB
+    assert round(s.total / MiB) == 659
+
+
+def test_kimi_linear_state_lines_by_hand():
+    cfg = load_preset("kimi-linear-48b-a3b")
+    s = state_bytes(cfg, 131072, "bf16")
+    assert s.kda_state == 20 * 32 * 128 * 128 * 2
+    assert s.conv_rings == 20 * 3 * 3 * 4096 * 2
+    assert s.mla_latent == 7 * 131072 * 576 * 2
+    assert all_mla_state_bytes(cfg, 131072, "bf16") == 27 * 131072 * 576 * 2
+
+
+# tiny, by hand (hidden 64, vocab 512, KDA 4x16, MLA 4 heads nope 16 rope 8 v 16 kv_lora 32,
+# dense 128, 8 experts of 32, one shared):
+#   embedding + lm_head 2 x 512 x 64 = 65536; final norm 64; block norms 5 x 2 x 64 = 640
+#   KDA layer: q,k,v 3x64x64 + convs 3x64x4 + A_log 4 + dt_bias 64 + f_a,f_b,g_a,g_b 4x1024
+#              + b_proj 4x64 + o_norm 16 + o_proj 64x64 = 21588  (x3 layers)
+#   MLA layer: q 96x64 + kv_a 40x64 + kv_a_norm 32 + kv_b 128x32 + o 64x64 = 16928  (x2 layers)
+#   dense layer 0: 3 x 128 x 64 = 24576
+#   MoE layers 1-4: router 8x64 + bias 8 + shared 3x32x64 = 6664 each
+#   trunk = 216092 parameters; one expert = 3 x 32 x 64 = 6144 parameters
+TINY_TRUNK_PARAMS = 65536 + 64 + 640 + 3 * 21588 + 2 * 16928 + 24576 + 4 * 6664
+TINY_EXPERT_PARAMS = 3 * 32 * 64
+
+
+def test_tiny_weights_by_hand_f32():
+    plan = make_plan("tiny", scheme="f32", context=1024)
+    assert TINY_TRUNK_PARAMS == 216092
+    assert plan.weights.trunk == 4 * TINY_TRUNK_PARAMS
+    assert plan.weights.per_expert == 4 * TINY_EXPERT_PARAMS
+    assert plan.weights.experts_total == 4 * TINY_EXPERT_PARAMS * 8 * 4
+    assert plan.weights.per_expert_layer == 4 * TINY_EXPERT_PARAMS * 8
+    assert plan.touched_per_token == 2 * 4 * 4 * TINY_EXPERT_PARAMS
+    assert plan.state.mla_latent == 2 * 1024 * 40 * 4
+
+
+def test_ram_budget_counts_experts_that_fit():
+    plan = make_plan("tiny", scheme="f32", context=1024, ram=2 * MiB)
+    room = 2 * MiB - 4 * TINY_TRUNK_PARAMS - plan.state.total
+    assert plan.cache_room == room
+    assert plan.experts_fit == min(room // (4 * TINY_EXPERT_PARAMS), 32)
+    short = make_plan("tiny", scheme="f32", ram="100K")
+    assert short.cache_room < 0 and short.experts_fit == 0
+
+
+def test_quantised_schemes_shrink_weights_in_order():
+    sizes = {s: make_plan("kimi-linear-48b-a3b", scheme=s).weights for s in ("f32", "bf16", "q8", "q4")}
+    assert sizes["f32"].trunk > sizes["bf16"].trunk > sizes["q8"].trunk == sizes["q4"].trunk
+    assert sizes["q8"].per_expert > sizes["q4"].per_expert
+    # Kimi-Linear has about 48 billion parameters, almost all of them in the routed experts.
+    params = (sizes["bf16"].trunk + sizes["bf16"].experts_total) / 2
+    assert 47e9 < params < 50e9
+
+
+def test_sweep_runs_to_the_maximum():
+    cfg = load_preset("kimi-linear-48b-a3b")
+    ctxs = sweep_contexts(cfg)
+    assert ctxs[0] == 1024 and ctxs[-1] == 1048576 and len(ctxs) == 11
+
+
+def test_cli_plan_k3_prints_the_seed_figures(capsys):
+    assert main(["plan", "k3", "--context", "4K"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("414 MiB", "216 MiB", "29.1 MiB", "659 MiB"):
+        assert figure in out
+
+
+def test_cli_plan_json_and_sweep(capsys):
+    assert main(["plan", "kimi-linear-48b-a3b", "--context", "128K", "--json", "--sweep", "--ram", "24G"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["context"] == 131072 and d["mla_latent_bytes"] == 7 * 131072 * 576 * 4
+    assert d["sweep"][-1]["context"] == 1048576 and d["experts_fit"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "nonesuch"], "not a preset"),
+        (["plan", "tiny", "--context", "lots"], "context 'lots'"),
+        (["plan", "tiny", "--context", "1M"], "exceeds the model's maximum"),
+        (["plan", "tiny", "--ram", "much"], "--ram 'much'"),
+        (["plan", "tiny", "--quant", "q2"], "invalid choice"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_console_script_exit_code(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "waste.cli", "plan", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2 and "'model_type' is missing" in r.stderr

@@ -1,0 +1,24 @@
+import pytest
+
+from waste.errors import WasteError
+from waste.units import human_bytes, human_count, parse_count, parse_size
+
+
+@pytest.mark.parametrize(("text", "n"), [("4096", 4096), ("4K", 4096), ("128k", 131072), ("1M", 1048576)])
+def test_parse_count(text, n):
+    assert parse_count(text) == n
+    assert human_count(n) == (text.upper() if not text.isdigit() else "4K")
+
+
+@pytest.mark.parametrize("text", ["", "4KB", "-1", "1.5", "lots"])
+def test_parse_count_refuses(text):
+    with pytest.raises(WasteError):
+        parse_count(text)
+
+
+def test_sizes():
+    assert parse_size("24G") == parse_size("24GiB") == 24 << 30
+    assert parse_size("512M") == 512 << 20 and parse_size("100") == 100
+    assert human_bytes(434110464) == "414 MiB" and human_bytes(30523392) == "29.1 MiB"
+    with pytest.raises(WasteError):
+        parse_size("big")

@@ -1,0 +1,358 @@
+"""The memory planner: what a model needs in RAM and on disk, itemised in bytes.
+
+Attention-side state comes from the config (it is a property of the shape); weight
+bytes come from the container's manifest when the target is a container, and otherwise
+from the expected tensor table (`waste.container.format.expected_tensors`) priced with the
+storage formats' own buffer layouts (`waste.kernels.quant.buffer_layout`), so the figures
+follow the code that writes containers rather than a separate formula.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from waste.config import PRESETS, ModelConfig, load_config_file, load_preset
+from waste.errors import WasteError
+from waste.units import human_bytes, human_count, parse_count, parse_size
+
+STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2}
+SCHEMES = ("bf16", "f32", "q8", "q4")
+DEFAULT_SCHEME = "q4"
+# Dtype of tensors that are not matrices (norms, conv taps, gates, router), per scheme.
+_VECTOR_DTYPE_BYTES = {"bf16": 2, "f32": 4, "q8": 4, "q4": 4}
+ROUTER_SUFFIX = "block_sparse_moe.gate.weight"
+
+
+def matrix_format(scheme: str, *, routed_expert: bool) -> str:
+    """Storage format of a weight matrix under a quantisation scheme."""
+    if scheme not in SCHEMES:
+        raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    if scheme in ("bf16", "f32"):
+        return scheme
+    if scheme == "q4" and routed_expert:
+        return "q4g"
+    return "q8g"
+
+
+def matrix_bytes(fmt: str, shape: tuple[int, int]) -> int:
+    """Bytes one matrix takes in a storage format, read off the format's buffer layout."""
+    from waste.kernels.quant import buffer_layout
+
+    return sum(int(np.prod(bshape)) * np.dtype(dtype).itemsize for _, dtype, bshape in buffer_layout(fmt, shape))
+
+
+def tensor_bytes(name: str, shape: tuple[int, ...], scheme: str, *, routed_expert: bool = False) -> int:
+    """Bytes of one checkpoint tensor once stored under `scheme`."""
+    if len(shape) == 2 and not name.endswith(ROUTER_SUFFIX):
+        return matrix_bytes(matrix_format(scheme, routed_expert=routed_expert), (shape[0], shape[1]))
+    return int(np.prod(shape)) * _VECTOR_DTYPE_BYTES[scheme]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Session state that does not live in the weights, at one context length."""
+
+    kda_state: int  # L_kda x [H, K, V]
+    conv_rings: int  # L_kda x 3 projections x (kernel - 1) x H*K
+    mla_latent: int  # L_mla x context x (kv_lora + rope)
+
+    @property
+    def total(self) -> int:
+        return self.kda_state + self.conv_rings + self.mla_latent
+
+
+def state_bytes(cfg: ModelConfig, context: int, state_dtype: str = "f32") -> StateBytes:
+    """KDA recurrent state, short-conv rings and MLA latent cache at `context` tokens."""
+    if state_dtype not in STATE_DTYPE_BYTES:
+        raise WasteError(f"unknown state dtype {state_dtype!r}; expected f32 or bf16")
+    b = STATE_DTYPE_BYTES[state_dtype]
+    n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    return StateBytes(
+        kda_state=n_kda * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * b,
+        conv_rings=n_kda * 3 * (cfg.short_conv_kernel - 1) * cfg.kda_proj_size * b,
+        mla_latent=n_mla * context * cfg.mla_latent_size * b,
+    )
+
+
+def all_mla_state_bytes(cfg: ModelConfig, context: int, state_dtype: str = "f32") -> int:
+    """The attention-side state the same model would need with every layer MLA."""
+    return cfg.num_layers * context * cfg.mla_latent_size * STATE_DTYPE_BYTES[state_dtype]
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the weights: the trunk stays in RAM, routed experts stream from disk."""
+
+    trunk: int
+    experts_total: int
+    expert_layers: int
+    per_expert: int  # one expert's w1 + w3 + w2 (a container blob, padding included)
+    by_class: dict[str, int] = field(default_factory=dict)
+    source: str = "formula"  # "formula" or "container"
+
+    @property
+    def per_expert_layer(self) -> int:
+        return self.experts_total // max(self.expert_layers, 1)
+
+
+def _tensor_class(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if ".shared_experts." in name:
+        return "shared_experts"
+    if name.endswith(ROUTER_SUFFIX) or name.endswith("e_score_correction_bias"):
+        return "router"
+    if ".mlp." in name:
+        return "dense_ffn"
+    if "norm" in name:
+        return "norms"
+    if ".self_attn." in name:
+        layer = int(name.split(".")[2])
+        return "attn_layer:" + str(layer)
+    return "other"
+
+
+def formula_weight_bytes(cfg: ModelConfig, scheme: str) -> WeightBytes:
+    """Weight bytes priced from the expected tensor table and the formats' layouts."""
+    from waste.container.format import expected_expert_tensors, expected_tensors
+
+    by_class: dict[str, int] = {}
+    for name, shape in expected_tensors(cfg).items():
+        cls = _tensor_class(name)
+        if cls.startswith("attn_layer:"):
+            cls = cfg.layer_kinds[int(cls.split(":")[1])]
+        by_class[cls] = by_class.get(cls, 0) + tensor_bytes(name, shape, scheme)
+    per_expert = sum(
+        tensor_bytes(name, shape, scheme, routed_expert=True) for name, shape in expected_expert_tensors(cfg).items()
+    )
+    n_layers = len(cfg.moe_layers)
+    return WeightBytes(
+        trunk=sum(by_class.values()),
+        experts_total=per_expert * cfg.num_experts * n_layers,
+        expert_layers=n_layers,
+        per_expert=per_expert,
+        by_class=by_class,
+        source="formula",
+    )
+
+
+def container_weight_bytes(container: Any) -> WeightBytes:
+    """Weight bytes as the container's manifest records them."""
+    counts = container.byte_counts()
+    cfg = container.config
+    return WeightBytes(
+        trunk=int(counts["trunk_bytes"]),
+        experts_total=int(counts["expert_bytes"]),
+        expert_layers=len(cfg.moe_layers),
+        per_expert=int(counts["expert_blob_bytes"]),
+        by_class={k: int(v) for k, v in counts.get("per_class", {}).items()},
+        source="container",
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `waste plan` prints, as numbers."""
+
+    name: str
+    config: ModelConfig
+    context: int
+    state_dtype: str
+    scheme: str
+    state: StateBytes
+    weights: WeightBytes
+    ram: int | None
+
+    @property
+    def touched_per_token(self) -> int:
+        """Expert bytes one decoded token needs: top-k experts in every MoE layer."""
+        return self.config.num_experts_per_token * self.weights.expert_layers * self.weights.per_expert
+
+    @property
+    def resident(self) -> int:
+        """RAM that must be resident whatever the cache: trunk weights plus session state."""
+        return self.weights.trunk + self.state.total
+
+    @property
+    def cache_room(self) -> int | None:
+        """RAM left for the expert cache under the budget (negative: does not fit)."""
+        return None if self.ram is None else self.ram - self.resident
+
+    @property
+    def experts_fit(self) -> int | None:
+        room = self.cache_room
+        if room is None:
+            return None
+        total = self.config.num_experts * self.weights.expert_layers
+        return int(min(max(room, 0) // self.weights.per_expert, total))
+
+    def as_dict(self) -> dict[str, Any]:
+        total_experts = self.config.num_experts * self.weights.expert_layers
+        return {
+            "name": self.name,
+            "model_type": self.config.model_type,
+            "context": self.context,
+            "state_dtype": self.state_dtype,
+            "scheme": self.scheme,
+            "weights_source": self.weights.source,
+            "kda_state_bytes": self.state.kda_state,
+            "conv_ring_bytes": self.state.conv_rings,
+            "mla_latent_bytes": self.state.mla_latent,
+            "state_total_bytes": self.state.total,
+            "trunk_bytes": self.weights.trunk,
+            "trunk_by_class": dict(self.weights.by_class),
+            "experts_total_bytes": self.weights.experts_total,
+            "experts_per_layer_bytes": self.weights.per_expert_layer,
+            "expert_bytes": self.weights.per_expert,
+            "experts_count": total_experts,
+            "expert_bytes_per_token": self.touched_per_token,
+            "ram_bytes": self.ram,
+            "expert_cache_room_bytes": self.cache_room,
+            "experts_fit": self.experts_fit,
+            "experts_fit_fraction": None if self.experts_fit is None else self.experts_fit / total_experts,
+        }
+
+
+def load_target(target: str) -> tuple[str, ModelConfig, Any | None]:
+    """Resolve a preset name, config.json (or its directory) or container; (name, config, container)."""
+    path = Path(target)
+    if target in PRESETS and not path.exists():
+        return target, load_preset(target), None
+    if (path / "manifest.json").is_file():
+        from waste.container.reader import open_container
+
+        container = open_container(path)
+        return path.name, container.config, container
+    if path.is_file() or (path / "config.json").is_file():
+        return path.stem if path.is_file() else path.name, load_config_file(path), None
+    raise WasteError(
+        f"plan target {target!r}: not a preset ({', '.join(PRESETS)}), a config.json or a .waste container"
+    )
+
+
+def make_plan(
+    target: str,
+    *,
+    context: int | str = 4096,
+    state_dtype: str = "f32",
+    scheme: str | None = None,
+    ram: int | str | None = None,
+) -> Plan:
+    """Plan a preset, config.json or container at one context length."""
+    name, cfg, container = load_target(target)
+    ctx = parse_count(context, "context")
+    if ctx > cfg.max_position_embeddings:
+        raise WasteError(f"context {ctx} exceeds the model's maximum of {cfg.max_position_embeddings} tokens")
+    ram_bytes = None if ram is None else parse_size(ram, "--ram")
+    if container is not None and scheme not in (None, container.scheme):
+        raise WasteError(f"container {name} is stored as {container.scheme!r}; --quant {scheme} does not apply")
+    if container is not None:
+        weights, used_scheme = container_weight_bytes(container), container.scheme
+        container.close()
+    else:
+        used_scheme = scheme or DEFAULT_SCHEME
+        weights = formula_weight_bytes(cfg, used_scheme)
+    return Plan(name, cfg, ctx, state_dtype, used_scheme, state_bytes(cfg, ctx, state_dtype), weights, ram_bytes)
+
+
+def sweep_contexts(cfg: ModelConfig, start: int = 1024) -> list[int]:
+    """Powers of two from `start` up to the model's maximum context (inclusive)."""
+    out, ctx = [], start
+    while ctx < cfg.max_position_embeddings:
+        out.append(ctx)
+        ctx *= 2
+    out.append(cfg.max_position_embeddings)
+    return out
+
+
+def _row(label: str, n: int, note: str = "") -> str:
+    return f"  {label:<34} {human_bytes(n):>11} {n:>18,d} B  {note}".rstrip()
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable plan table."""
+    cfg, s, w = plan.config, plan.state, plan.weights
+    n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    total_experts = cfg.num_experts * w.expert_layers
+    lines = [
+        f"plan: {plan.name} ({cfg.model_type}, {cfg.num_layers} layers: {n_kda} KDA + {n_mla} MLA), "
+        f"context {human_count(plan.context)} = {plan.context:,d} tokens, state {plan.state_dtype}, "
+        f"weights {plan.scheme} ({w.source})",
+        "session state",
+        _row("KDA recurrent state", s.kda_state, f"{n_kda} x {cfg.kda_num_heads} x {cfg.kda_head_dim} x "
+             f"{cfg.kda_head_dim}"),
+        _row("short-conv rings", s.conv_rings, f"{n_kda} x 3 x {cfg.short_conv_kernel - 1} x {cfg.kda_proj_size}"),
+        _row(f"MLA latent at {human_count(plan.context)}", s.mla_latent,
+             f"{n_mla} x {plan.context} x {cfg.mla_latent_size}"),
+        _row("state total", s.total),
+        "weights",
+        _row("trunk (non-expert)", w.trunk),
+    ]
+    for cls, n in sorted(w.by_class.items(), key=lambda kv: -kv[1]):
+        lines.append(_row(f"  {cls}", n))
+    lines += [
+        _row("routed experts, total", w.experts_total, f"{total_experts:,d} experts"),
+        _row("routed experts, per layer", w.per_expert_layer, f"{cfg.num_experts} experts x {w.expert_layers} layers"),
+        _row("one expert (w1 + w3 + w2)", w.per_expert),
+        _row("expert bytes touched per token", plan.touched_per_token,
+             f"top-{cfg.num_experts_per_token} x {w.expert_layers} layers"),
+    ]
+    if plan.ram is not None:
+        room = plan.cache_room or 0
+        fit = plan.experts_fit or 0
+        lines += [
+            f"RAM budget {human_bytes(plan.ram)}",
+            _row("resident (trunk + state)", plan.resident),
+            _row("left for the expert cache", max(room, 0), "" if room >= 0 else
+                 f"does NOT fit: short by {human_bytes(-room)}"),
+            f"  experts that fit: {fit:,d} of {total_experts:,d} ({100.0 * fit / total_experts:.1f}%)",
+        ]
+    return "\n".join(lines)
+
+
+def format_sweep(cfg: ModelConfig, plans: list[Plan]) -> str:
+    """Context-dependent lines, one row per context."""
+    header = f"  {'context':>8} {'MLA latent':>11} {'state total':>11} {'all-MLA would be':>16}"
+    has_ram = plans and plans[0].ram is not None
+    if has_ram:
+        header += f" {'cache room':>11} {'experts fit':>12}"
+    lines = [f"sweep: {plans[0].name}, state {plans[0].state_dtype}", header]
+    for p in plans:
+        row = (f"  {human_count(p.context):>8} {human_bytes(p.state.mla_latent):>11} {human_bytes(p.state.total):>11} "
+               f"{human_bytes(all_mla_state_bytes(cfg, p.context, p.state_dtype)):>16}")
+        if has_ram:
+            row += f" {human_bytes(max(p.cache_room or 0, 0)):>11} {p.experts_fit or 0:>12,d}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def cmd_plan(args: Any) -> int:
+    """`waste plan TARGET [--context N] [--ram SIZE] [--state-dtype] [--quant] [--sweep] [--json]`."""
+    plan = make_plan(args.target, context=args.context, state_dtype=args.state_dtype, scheme=args.quant, ram=args.ram)
+    sweep = None
+    if args.sweep:
+        sweep = [
+            make_plan(args.target, context=ctx, state_dtype=args.state_dtype, scheme=args.quant, ram=args.ram)
+            for ctx in sweep_contexts(plan.config)
+        ]
+    if args.json:
+        out: dict[str, Any] = plan.as_dict()
+        if sweep is not None:
+            out["sweep"] = [
+                {k: p.as_dict()[k] for k in ("context", "mla_latent_bytes", "state_total_bytes",
+                                             "expert_cache_room_bytes", "experts_fit")} for p in sweep
+            ]
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan))
+        if sweep is not None:
+            print(format_sweep(plan.config, sweep))
+    return 0
+
