@@ -19,9 +19,8 @@ def test_environment_yml_matches_pyproject():
         if line.strip().startswith("- ") and not line.strip().startswith("- conda-forge")
     ]
     conda_names = _names(conda_lines) - {"python", "pip"}
-    assert conda_names == pip_names, (
-        f"only in environment.yml: {sorted(conda_names - pip_names)}; only in pyproject: {sorted(pip_names - conda_names)}"
-    )
+    only_conda, only_pip = sorted(conda_names - pip_names), sorted(pip_names - conda_names)
+    assert conda_names == pip_names, f"only in environment.yml: {only_conda}; only in pyproject: {only_pip}"
 
 
 def test_design_card_top_level_exists():

@@ -1,0 +1,208 @@
+"""The batch-1 Kimi-Linear forward over a container: prefill (layer-major chunks) and decode.
+
+    h = embed(ids)
+    per layer: h += attn(RMSNorm(h))   attn = KDA (recurrent state) or MLA (latent cache)
+               h += ffn(RMSNorm(h))    ffn = dense SwiGLU (first_k_dense_replace) or MoE
+    logits = lm_head(RMSNorm(h))
+
+Prefill runs a chunk of tokens through every layer before the next chunk (layer-major),
+so each projection is one matrix product over the chunk and each routed expert a chunk
+uses is fetched once. Decode runs one token with the recurrent KDA step and MLA attention
+in the latent space.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from waste.engine.experts import ExpertStore, MmapExpertStore
+from waste.engine.kda_layer import KDALayer
+from waste.engine.mla_layer import MLALayer
+from waste.engine.moe_layer import DenseFFN, MoELayer
+from waste.engine.session import Session, read_session_file
+from waste.errors import WasteError
+
+DEFAULT_PREFILL_CHUNK = 32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Row-wise RMSNorm of x [T, D] in float32."""
+    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+    return (x / np.sqrt(ms + np.float32(eps))).astype(np.float32) * weight
+
+
+class Observer(Protocol):
+    """Receives what happens inside a forward pass (per-layer outputs, routing)."""
+
+    def on_layer(self, layer: int, positions: np.ndarray, hidden: np.ndarray) -> None: ...
+
+    def on_routing(self, layer: int, positions: np.ndarray, phase: str, routing: Any, hits: np.ndarray) -> None: ...
+
+
+@dataclass
+class LayerTimes:
+    """Wall time spent per layer kind, for benchmarks and `waste run`."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("kda", "mla", "dense", "moe",
+                                                                             "lm_head", "embed"), 0.0))
+    dedup: list[float] = field(default_factory=list)
+
+    def add(self, kind: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.seconds[kind] += now - t0
+        return now
+
+
+class Model:
+    """A Kimi-Linear model held over an open container."""
+
+    def __init__(self, container: Any, *, store: ExpertStore | None = None, router_weights: str = "unbiased"):
+        cfg = container.config
+        if cfg.model_type != "kimi_linear" and (cfg.routed_expert_hidden_size or cfg.hidden_act != "silu"):
+            raise WasteError(f"{container.path}: the engine runs kimi_linear-style models; "
+                             "latent MoE and the situ activation (K3) are planner-only for now")
+        self.container = container
+        self.config = cfg
+        self.store = store if store is not None else MmapExpertStore(container)
+        self.times = LayerTimes()
+        get_matrix, get_tensor = container.matrix, container.tensor
+        self.embed = get_matrix("model.embed_tokens.weight")
+        self.lm_head = get_matrix("lm_head.weight")
+        self.final_norm = get_tensor("model.norm.weight")
+        self.input_norms, self.post_norms, self.attn, self.ffn = [], [], [], []
+        for i, kind in enumerate(cfg.layer_kinds):
+            p = f"model.layers.{i}."
+            self.input_norms.append(get_tensor(p + "input_layernorm.weight"))
+            self.post_norms.append(get_tensor(p + "post_attention_layernorm.weight"))
+            attn_cls = KDALayer if kind == "kda" else MLALayer
+            self.attn.append(attn_cls.from_weights(cfg, get_matrix, get_tensor, p + "self_attn."))
+            if i < cfg.first_k_dense_replace:
+                self.ffn.append(DenseFFN.from_weights(cfg, get_matrix, get_tensor, p + "mlp."))
+            else:
+                self.ffn.append(MoELayer.from_weights(cfg, get_matrix, get_tensor, p + "block_sparse_moe.", i,
+                                                      router_weights=router_weights))
+
+    # sessions -----------------------------------------------------------------------------
+
+    def new_session(self, capacity: int = 256) -> Session:
+        """An empty session whose MLA caches start with room for `capacity` tokens."""
+        cfg = self.config
+        return Session(
+            kda={i: self.attn[i].new_state() for i in cfg.kda_layers},
+            mla={i: self.attn[i].new_cache(capacity) for i in cfg.mla_layers},
+            container_hash=self.container.manifest_sha256,
+        )
+
+    def load_session(self, path: str) -> Session:
+        """Restore a saved session; refuses one written against another container."""
+        meta, arrays = read_session_file(path)
+        if meta["container_hash"] != self.container.manifest_sha256:
+            raise WasteError(f"session file {path} belongs to another container (manifest "
+                             f"{meta['container_hash'][:12]}, this one {self.container.manifest_sha256[:12]})")
+        session = self.new_session(capacity=max(len(arrays["tokens"]), 1))
+        try:
+            for i, state in session.kda.items():
+                state.recurrent[...] = arrays[f"kda{i}.recurrent"]
+                state.conv[...] = arrays[f"kda{i}.conv"]
+            for i, cache in session.mla.items():
+                latent = arrays[f"mla{i}.latent"]
+                cache.latent[: len(latent)] = latent
+                cache.length = len(latent)
+        except (KeyError, ValueError) as e:
+            raise WasteError(f"session file {path}: does not match this model's shape ({e})") from None
+        session.tokens = [int(t) for t in arrays["tokens"]]
+        session.last_logits = arrays.get("last_logits")
+        session.sampler_state = meta.get("sampler_state")
+        return session
+
+    # forward ------------------------------------------------------------------------------
+
+    def _check_ids(self, ids: Sequence[int], session: Session) -> np.ndarray:
+        a = np.asarray(ids, dtype=np.int64)
+        if a.ndim != 1:
+            raise WasteError("token ids must be a flat list")
+        bad = a[(a < 0) | (a >= self.config.vocab_size)]
+        if bad.size:
+            raise WasteError(f"token id {int(bad[0])} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        limit = self.config.max_position_embeddings
+        if session.position + a.size > limit:
+            raise WasteError(f"context of {session.position + a.size} tokens exceeds the model's capacity of {limit}")
+        return a
+
+    def _layers(self, h: np.ndarray, positions: np.ndarray, session: Session, phase: str,
+                observer: Observer | None) -> np.ndarray:
+        """Run h [T, hidden] through every layer; T == 1 with phase 'decode' uses the decode paths."""
+        cfg, times = self.config, self.times
+        decode = phase == "decode"
+        for i, kind in enumerate(cfg.layer_kinds):
+            t0 = time.perf_counter()
+            x = rms_norm(h, self.input_norms[i], cfg.rms_norm_eps)
+            state = session.kda[i] if kind == "kda" else session.mla[i]
+            a = self.attn[i].decode(x[0], state)[None, :] if decode else self.attn[i].prefill(x, state)
+            h = h + a
+            t0 = times.add(kind, t0)
+            x = rms_norm(h, self.post_norms[i], cfg.rms_norm_eps)
+            ffn = self.ffn[i]
+            if isinstance(ffn, MoELayer):
+                f, routing = ffn.forward(x, self.store)
+                times.dedup.append(routing.dedup_ratio)
+                if observer is not None:
+                    hits = self.store.last_hits
+                    token_hits = hits[np.searchsorted(routing.unique, routing.ids)]
+                    observer.on_routing(i, positions, phase, routing, token_hits)
+                times.add("moe", t0)
+            else:
+                f = ffn.forward(x)
+                times.add("dense", t0)
+            h = h + f
+            if observer is not None:
+                observer.on_layer(i, positions, h)
+        return h
+
+    def _logits(self, h: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        x = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        logits = self.lm_head.matmul(x) if x.shape[0] > 1 else self.lm_head.matvec(x[0])[None, :]
+        self.times.add("lm_head", t0)
+        return logits
+
+    def prefill(self, session: Session, ids: Sequence[int], *, chunk: int = DEFAULT_PREFILL_CHUNK,
+                observer: Observer | None = None) -> np.ndarray:
+        """Consume prompt tokens in chunks; returns float32 logits [T, vocab] for every position."""
+        if chunk < 1:
+            raise WasteError(f"--prefill-chunk {chunk}: must be at least 1")
+        a = self._check_ids(ids, session)
+        if a.size == 0:
+            raise WasteError("the prompt is empty: give at least one token id")
+        session.ensure_capacity(session.position + a.size)
+        out = np.empty((a.size, self.config.vocab_size), np.float32)
+        for start in range(0, a.size, chunk):
+            part = a[start:start + chunk]
+            positions = np.arange(session.position, session.position + part.size)
+            t0 = time.perf_counter()
+            h = self.embed.take_rows(part)
+            self.times.add("embed", t0)
+            h = self._layers(h, positions, session, "prefill", observer)
+            out[start:start + part.size] = self._logits(h)
+            session.tokens.extend(int(t) for t in part)
+        session.last_logits = out[-1].copy()
+        return out
+
+    def decode(self, session: Session, token: int, *, observer: Observer | None = None) -> np.ndarray:
+        """Consume one token; returns float32 logits [vocab] for the next position."""
+        a = self._check_ids([token], session)
+        session.ensure_capacity(session.position + 1)
+        positions = np.array([session.position])
+        t0 = time.perf_counter()
+        h = self.embed.take_rows(a)
+        self.times.add("embed", t0)
+        h = self._layers(h, positions, session, "decode", observer)
+        logits = self._logits(h)[0]
+        session.tokens.append(int(token))
+        session.last_logits = logits.copy()
+        return logits

@@ -1,0 +1,71 @@
+"""Generation loop shared by `waste run`, the demo, notebooks and benchmarks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from waste.engine.model import DEFAULT_PREFILL_CHUNK, Model, Observer
+from waste.engine.sampling import Sampler
+from waste.engine.session import Session
+
+
+@dataclass
+class RunResult:
+    """What one run produced and how long its phases took."""
+
+    prompt_len: int
+    generated: list[int]
+    logits: list[np.ndarray] = field(repr=False)  # prompt rows [T, vocab], then one [vocab] per token
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_len / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def decode_tps(self) -> float:
+        n = len(self.generated)
+        return n / self.decode_seconds if self.decode_seconds > 0 and n else float("nan")
+
+    def all_logits(self) -> np.ndarray:
+        """float32 [prompt_len + len(generated), vocab]: prompt positions, then each generated token."""
+        rows = [np.atleast_2d(x) for x in self.logits]
+        return np.concatenate(rows, axis=0) if rows else np.zeros((0, 0), np.float32)
+
+
+def generate(
+    model: Model,
+    session: Session,
+    prompt: Sequence[int],
+    max_new: int,
+    sampler: Sampler,
+    *,
+    chunk: int = DEFAULT_PREFILL_CHUNK,
+    observer: Observer | None = None,
+) -> RunResult:
+    """Prefill `prompt` (may be empty when resuming) then sample `max_new` tokens.
+
+    The token after the prompt is drawn from the last prompt position's logits; each
+    generated token is then fed back with a decode step. The session keeps the logits of
+    its last position, so a resumed run continues exactly where the saved one stopped.
+    Generated tokens are decoded (fed back) before returning, so the session always ends
+    with every token it returned consumed.
+    """
+    logits: list[np.ndarray] = []
+    t0 = time.perf_counter()
+    if len(prompt):
+        logits.append(model.prefill(session, prompt, chunk=chunk, observer=observer))
+    t1 = time.perf_counter()
+    generated: list[int] = []
+    for _ in range(max_new):
+        token = sampler(session.last_logits)
+        generated.append(token)
+        logits.append(model.decode(session, token, observer=observer))
+    t2 = time.perf_counter()
+    session.sampler_state = sampler.get_state()
+    return RunResult(len(prompt), generated, logits, t1 - t0, t2 - t1)

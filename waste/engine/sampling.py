@@ -1,0 +1,47 @@
+"""Next-token choice: greedy, temperature and top-p (nucleus), seeded and resumable."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from waste.errors import WasteError
+
+
+class Sampler:
+    """Chooses tokens from logits; its random state can be saved and restored exactly."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+        if temperature < 0:
+            raise WasteError(f"--temperature {temperature}: must be 0 (greedy) or positive")
+        if not 0.0 < top_p <= 1.0:
+            raise WasteError(f"--top-p {top_p}: must lie in (0, 1]")
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """One token id from logits [vocab]."""
+        if self.temperature == 0.0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / self.temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if self.top_p < 1.0:
+            order = np.argsort(-p, kind="stable")
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            keep = order[: int(np.searchsorted(np.cumsum(p[order]), self.top_p)) + 1]
+            q = np.zeros_like(p)
+            q[keep] = p[keep]
+            p = q / q.sum()
+        return int(self.rng.choice(p.size, p=p))
+
+    def get_state(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "rng": self.rng.bit_generator.state}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Sampler:
+        s = cls(state["temperature"], state["top_p"])
+        s.rng.bit_generator.state = state["rng"]
+        return s
