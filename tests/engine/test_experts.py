@@ -1,0 +1,360 @@
+"""Expert stores: weights served correctly under every budget and policy, the byte budget
+never exceeded, the LRU/LFU stores agreeing hit for hit with the cache simulator, and the
+O_DIRECT fallbacks."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from waste import load_preset
+from waste.analysis.cache_sim import recorded, simulate
+from waste.container.reader import open_container
+from waste.engine import experts as ex
+from waste.engine.experts import MmapExpertStore, StreamingExpertStore, open_expert_store
+from waste.engine.trace import TraceRecorder, expand_hits
+from waste.errors import WasteError
+from waste.kernels.quant import buffer_layout, from_buffers
+from waste.testing import tiny_container
+
+PAGE = 4096
+
+
+class FakeContainer:
+    """The container methods the stores use, over an experts.bin of f32 blobs written here.
+
+    Blob of (layer, e): w1 [I, D], w3 [I, D], w2 [D, I] back to back, padded with pages;
+    layer li's blobs take 1 + extra_pages[li] pages. Blobs sit in a shuffled disk order so
+    request order and disk order differ.
+    """
+
+    def __init__(self, root: Path, *, seed: int, extra_pages: tuple[int, ...] = (0,), d: int = 16, i: int = 8):
+        self.config = load_preset("tiny")
+        self.d, self.i = d, i
+        layers = self.config.moe_layers
+        E = self.config.num_experts
+        rng = np.random.default_rng(seed)
+        self.weights = {}
+        self.spans = {}
+        keys = [(layer, e) for layer in layers for e in range(E)]
+        offset = 0
+        for idx in rng.permutation(len(keys)):
+            layer, e = keys[idx]
+            nbytes = PAGE * (1 + extra_pages[layers.index(layer) % len(extra_pages)])
+            self.spans[(layer, e)] = (offset, nbytes)
+            offset += nbytes
+        self.experts_path = root / "experts.bin"
+        blob = np.zeros(offset, np.uint8)
+        for key, (off, _) in self.spans.items():
+            w = [rng.standard_normal(s).astype(np.float32) for s in ((i, d), (i, d), (d, i))]
+            self.weights[key] = w
+            flat = np.concatenate([x.ravel() for x in w]).view(np.uint8)
+            blob[off:off + len(flat)] = flat
+        self.experts_path.write_bytes(blob.tobytes())
+        self._map = np.memmap(self.experts_path, np.uint8, "r")
+
+    def expert_span(self, layer: int, e: int) -> tuple[int, int]:
+        return self.spans[(layer, e)]
+
+    def decode_expert(self, layer: int, buf: np.ndarray):
+        f = buf.view(np.float32)
+        n = self.i * self.d
+        return (
+            from_buffers("f32", (self.i, self.d), {"w": f[:n].reshape(self.i, self.d)}),
+            from_buffers("f32", (self.i, self.d), {"w": f[n:2 * n].reshape(self.i, self.d)}),
+            from_buffers("f32", (self.d, self.i), {"w": f[2 * n:3 * n].reshape(self.d, self.i)}),
+        )
+
+    def expert(self, layer: int, e: int):
+        off, nbytes = self.spans[(layer, e)]
+        return self.decode_expert(layer, self._map[off:off + nbytes])
+
+
+def _assert_weights(c, layer: int, ids, got) -> None:
+    assert len(got) == len(ids)
+    for e, (w1, w3, w2) in zip(ids, got, strict=True):
+        want = c.weights[(layer, e)]
+        for q, w in zip((w1, w3, w2), want, strict=True):
+            np.testing.assert_array_equal(q.dequantize(), w)
+
+
+def _random_requests(rng, c, n: int, max_size: int = 5):
+    layers = c.config.moe_layers
+    E = c.config.num_experts
+    out = []
+    for _ in range(n):
+        size = int(rng.integers(1, max_size + 1))
+        out.append((int(rng.choice(layers)), sorted(rng.choice(E, size, replace=False).tolist())))
+    return out
+
+
+def _held_bytes(store: StreamingExpertStore) -> int:
+    """Bytes of the buffers the cache holds, counted from its entries, not its counter."""
+    return sum(int(entry.buf.nbytes) for entry in store._cache.entries.values())
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("budget_blobs", [0, 3, 1000])
+def test_streaming_serves_the_right_weights(tmp_path, policy, budget_blobs):
+    rng = np.random.default_rng(1)
+    c = FakeContainer(tmp_path, seed=2)
+    with StreamingExpertStore(c, budget_blobs * PAGE, policy, read_threads=3) as store:
+        for layer, ids in _random_requests(rng, c, 60):
+            _assert_weights(c, layer, ids, store.get(layer, ids))
+            assert store.last_hits.shape == (len(ids),)
+        tot = store.stats.total
+        assert tot.requests == tot.hits + tot.misses
+        assert tot.bytes_read == tot.misses * PAGE
+        if budget_blobs == 0:
+            assert tot.hits == 0 and store.cached_bytes == 0
+        if budget_blobs == 1000:
+            # Everything fits: each expert is read once.
+            assert tot.misses == len({(lay, e) for lay, ids in _random_requests(np.random.default_rng(1), c, 60)
+                                      for e in ids})
+
+
+def test_mmap_store_counts_every_lookup_as_a_miss(tmp_path):
+    c = FakeContainer(tmp_path, seed=3)
+    store = open_expert_store(c, None)
+    assert isinstance(store, MmapExpertStore) and store.io_mode == "mmap"
+    got = store.get(2, [1, 4, 7])
+    _assert_weights(c, 2, [1, 4, 7], got)
+    assert not store.last_hits.any() and store.last_hits.shape == (3,)
+    s = store.stats.layer(2)
+    assert (s.calls, s.requests, s.hits, s.misses, s.bytes_read, s.read_seconds) == (1, 3, 0, 3, 3 * PAGE, 0.0)
+    store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_budget_never_exceeded(tmp_path, policy):
+    rng = np.random.default_rng(4)
+    # Layers' blobs are 1, 3 and 2 pages, so byte fits and entry counts disagree.
+    c = FakeContainer(tmp_path, seed=5, extra_pages=(0, 2, 1))
+    for budget in (0, PAGE - 1, 2 * PAGE + 100, 5 * PAGE, 11 * PAGE + 7):
+        with StreamingExpertStore(c, budget, policy, read_threads=2) as store:
+            for layer, ids in _random_requests(rng, c, 80, max_size=6):
+                got = store.get(layer, ids)
+                held = _held_bytes(store)
+                assert held <= budget
+                assert held == store.cached_bytes
+                assert all(store._cache.entries[k].buf.nbytes <= budget for k in store.cached_keys())
+                _assert_weights(c, layer, ids, got)
+
+
+def test_experts_stay_valid_after_eviction(tmp_path):
+    c = FakeContainer(tmp_path, seed=6)
+    with StreamingExpertStore(c, PAGE, "lru", read_threads=1) as store:
+        first = store.get(1, [0, 1, 2])
+        for e in range(8):
+            store.get(3, [e])
+        assert store.cached_keys() == [(3, 7)]
+        _assert_weights(c, 1, [0, 1, 2], first)
+
+
+def test_hand_worked_lru_and_lfu(tmp_path):
+    c = FakeContainer(tmp_path, seed=7)
+    # A A B C A at 2 entries (A, B, C = experts 0, 1, 2 of layer 1):
+    # LRU: A miss, A hit, B miss [A B], C miss evicts A [B C], A miss -> 1 hit.
+    # LFU: A miss, A hit (A:2), B miss (B:1), C miss evicts B (count 1) -> {A, C}, A hit -> 2 hits.
+    for policy, hits in (("lru", [0, 1, 0, 0, 0]), ("lfu", [0, 1, 0, 0, 1])):
+        with StreamingExpertStore(c, 2 * PAGE, policy, read_threads=1) as store:
+            seen = []
+            for e in (0, 0, 1, 2, 0):
+                store.get(1, [e])
+                seen.append(int(store.last_hits[0]))
+            assert seen == hits, policy
+
+
+def test_request_larger_than_cache_reinserts_in_order_asked(tmp_path):
+    c = FakeContainer(tmp_path, seed=8)
+    with StreamingExpertStore(c, 2 * PAGE, "lru", read_threads=1) as store:
+        store.get(1, [0, 1])
+        # Lookup first: 0 and 1 are hits, 2 and 3 misses. Touches in order 0 1 2 3 leave [2 3].
+        store.get(1, [0, 1, 2, 3])
+        assert store.last_hits.tolist() == [True, True, False, False]
+        assert store.cached_keys() == [(1, 2), (1, 3)]
+        # 0 2: 0 was inserted-then-evicted, so a miss; 2 is cached. Touch 0 evicts 3 ([2 0]), touch 2 -> [0 2].
+        store.get(1, [0, 2])
+        assert store.last_hits.tolist() == [False, True]
+        assert store.cached_keys() == [(1, 0), (1, 2)]
+
+
+def test_misses_are_read_in_disk_offset_order(tmp_path, monkeypatch):
+    c = FakeContainer(tmp_path, seed=9)
+    offsets = []
+    real = ex._preadv
+
+    def spy(fd, bufs, offset):
+        offsets.append(offset)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(ex, "_preadv", spy)
+    with StreamingExpertStore(c, 0, "lru", read_threads=1) as store:
+        ids = [0, 1, 2, 3, 4, 5, 6, 7]
+        store.get(4, ids)
+    assert offsets == sorted(c.expert_span(4, e)[0] for e in ids)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_store_agrees_with_simulator(tmp_path, policy):
+    """Drive the store the way the MoE layer does (unique sorted ids per chunk and layer),
+    record a trace, and replay it: the simulator must match the store lookup for lookup."""
+    rng = np.random.default_rng(10)
+    c = FakeContainer(tmp_path, seed=11)
+    cfg = c.config
+    k = cfg.num_experts_per_token
+    rec = TraceRecorder(cfg.num_layers, cfg.moe_layers, k, num_experts=cfg.num_experts)
+    capacity = 9
+    # Skewed routing, so a 9-entry cache shared by 4 layers of 8 experts sees both hits and misses.
+    prob = 1.0 / np.arange(1, cfg.num_experts + 1) ** 1.5
+    prob /= prob.sum()
+    with StreamingExpertStore(c, capacity * PAGE + PAGE // 2, policy, read_threads=2) as store:
+        pos = 0
+        for t in [7, 3, 5] + [1] * 25:
+            phase = "prefill" if t > 1 else "decode"
+            for layer in cfg.moe_layers:
+                ids = np.stack([rng.choice(cfg.num_experts, k, replace=False, p=prob) for _ in range(t)])
+                unique = np.unique(ids)
+                store.get(layer, unique.tolist())
+                hits = expand_hits(ids, unique, store.last_hits)
+                rec.record(layer, np.arange(pos, pos + t), phase, ids, np.full((t, k), 0.5), hits)
+            pos += t
+        total = store.stats.total
+    trace = rec.trace()
+    sim = simulate(trace, policy, capacity)
+    rec_hits = recorded(trace)
+    np.testing.assert_array_equal(sim.hit, rec_hits.hit)
+    assert sim.hits == total.hits and sim.lookups == total.requests
+    assert 0 < total.hits < total.requests, total
+    for layer, (h, n) in sim.per_layer.items():
+        assert (h, n) == (store.stats.layers[layer].hits, store.stats.layers[layer].requests)
+
+
+def test_direct_io_on_this_file_system(tmp_path):
+    c = FakeContainer(tmp_path, seed=12)
+    with StreamingExpertStore(c, 0, "lru", read_threads=2, direct_io=True) as store:
+        assert store.io_mode in ("direct", "buffered")
+        assert store.io_mode == "direct" or store.io_note
+        _assert_weights(c, 1, [0, 3, 5], store.get(1, [0, 3, 5]))
+
+
+def test_direct_io_open_refused_falls_back(tmp_path, monkeypatch):
+    c = FakeContainer(tmp_path, seed=13)
+    real_open = os.open
+
+    def refuse_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(ex, "_os_open", refuse_direct)
+    monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0x4000), raising=False)
+    with StreamingExpertStore(c, 0, "lru", direct_io=True) as store:
+        assert store.io_mode == "buffered"
+        assert "open refused" in store.io_note
+        _assert_weights(c, 2, [1, 6], store.get(2, [1, 6]))
+
+
+def test_direct_io_read_einval_falls_back(tmp_path, monkeypatch):
+    c = FakeContainer(tmp_path, seed=14)
+    real_open, real_preadv = os.open, ex._preadv
+    flag = getattr(os, "O_DIRECT", 0x4000)
+    direct_fds = set()
+
+    def fake_direct_open(path, flags, *a):
+        # Open buffered whatever the file system allows, but remember the "direct" descriptor.
+        fd = real_open(path, flags & ~flag, *a)
+        if flags & flag:
+            direct_fds.add(fd)
+        return fd
+
+    def einval_on_direct(fd, bufs, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "O_DIRECT", flag, raising=False)
+    monkeypatch.setattr(ex, "_os_open", fake_direct_open)
+    monkeypatch.setattr(ex, "_preadv", einval_on_direct)
+    with StreamingExpertStore(c, 4 * PAGE, "lru", read_threads=4, direct_io=True) as store:
+        assert store.io_mode == "direct"
+        _assert_weights(c, 3, [0, 2, 4, 5, 7], store.get(3, [0, 2, 4, 5, 7]))
+        assert store.io_mode == "buffered"
+        assert "read refused" in store.io_note
+        _assert_weights(c, 3, [1, 2], store.get(3, [1, 2]))
+
+
+def test_bad_requests_and_damaged_files(tmp_path):
+    c = FakeContainer(tmp_path, seed=15)
+    with StreamingExpertStore(c, PAGE, "lru") as store:
+        with pytest.raises(WasteError, match="not a MoE layer"):
+            store.get(0, [1])
+        with pytest.raises(WasteError, match="outside"):
+            store.get(1, [8])
+        with pytest.raises(WasteError, match="repeat"):
+            store.get(1, [2, 2])
+        assert store.get(1, []) == [] and store.last_hits.shape == (0,)
+    with pytest.raises(WasteError, match="closed"):
+        store.get(1, [0])
+    for kwargs in ({"budget_bytes": -1}, {"budget_bytes": 0, "policy": "fifo"}, {"budget_bytes": 0, "read_threads": 0}):
+        with pytest.raises(WasteError):
+            StreamingExpertStore(c, **kwargs)
+    last = max(c.spans, key=lambda key: c.spans[key][0])
+    with open(c.experts_path, "r+b") as f:
+        f.truncate(c.spans[last][0] + 100)
+    with StreamingExpertStore(c, 0, "lru") as store, pytest.raises(WasteError, match="truncated"):
+        store.get(last[0], [last[1]])
+    c.experts_path.unlink()
+    with pytest.raises(WasteError, match="experts.bin"):
+        StreamingExpertStore(c, 0)
+
+
+def test_stats_table_and_reset(tmp_path):
+    c = FakeContainer(tmp_path, seed=16)
+    with StreamingExpertStore(c, 8 * PAGE, "lru", read_threads=1) as store:
+        store.get(1, [0, 1])
+        store.get(1, [1, 2])
+        store.get(2, [3])
+        d = store.stats.as_dict()
+        json.dumps(d)
+        assert d["layers"]["1"]["hits"] == 1 and d["layers"]["1"]["misses"] == 3
+        assert d["total"]["requests"] == 5 and d["total"]["bytes_read"] == 4 * PAGE
+        table = store.stats.format_table()
+        assert table.splitlines()[-1].split()[:4] == ["total", "5", "1", "4"]
+        store.stats.reset()
+        assert store.stats.total.requests == 0
+        assert store.stats.format_table().splitlines()[-1].split()[:5] == ["total", "0", "0", "0", "-"]
+
+
+@pytest.mark.parametrize("quant,fmt", [("f32", "f32"), ("q8", "q8g"), ("q4", "q4g")])
+def test_real_container_budgets_agree(tmp_path_factory, quant, fmt):
+    """Streamed experts equal the mapped ones under every budget, buffered and O_DIRECT."""
+    try:
+        buffer_layout(fmt, (32, 64))
+    except WasteError:
+        pytest.skip(f"weight format {fmt} not implemented yet")
+    c = open_container(tiny_container(tmp_path_factory, quant=quant))
+    cfg = c.config
+    blob = c.expert_span(cfg.moe_layers[0], 0)[1]
+    rng = np.random.default_rng(17)
+    requests = _random_requests(rng, c, 40)
+    mapped = MmapExpertStore(c)
+    for budget in (0, 3 * blob, cfg.num_experts * len(cfg.moe_layers) * blob):
+        for direct in (False, True):
+            with StreamingExpertStore(c, budget, "lru", read_threads=2, direct_io=direct) as store:
+                for layer, ids in requests:
+                    got = store.get(layer, ids)
+                    want = mapped.get(layer, ids)
+                    for a, b in zip(got, want, strict=True):
+                        for qa, qb in zip(a, b, strict=True):
+                            assert qa.fmt == qb.fmt == fmt
+                            for name, buf in qa.buffers.items():
+                                np.testing.assert_array_equal(buf, qb.buffers[name])
+                assert store.cached_bytes <= budget
+    mapped.close()
+    c.close()

@@ -1,0 +1,432 @@
+"""Routed expert weights for the MoE layers: served from the container's memory map, or
+streamed from experts.bin with positional reads into a cache with a byte budget.
+
+The MoE layer asks for the unique expert ids of one step (a prefill chunk or a decode
+token), sorted, with one `get` per layer per step. A streaming store answers in two
+phases whose semantics docs/TRACE.md fixes and `waste.analysis.cache_sim` replays exactly:
+
+1. lookup: every id is looked up; the outcome (hit or miss) is decided for all ids before
+   anything changes. Misses are read, one `pread` per blob, issued in disk-offset order and
+   spread over a small thread pool, then decoded.
+2. touch, in the order asked: a cached id is marked used (LRU: most recent; LFU: count + 1
+   and most recent); an id not cached is inserted, evicting least-recently-used entries
+   (LFU: lowest count, ties to the least recent) until it fits. A blob larger than the
+   whole budget is never cached, so a budget of 0 caches nothing.
+
+The cache charges each entry its blob's size in experts.bin (padding included), which is
+the size of the buffer the decoded views live in; the charge never exceeds the budget.
+Experts handed out stay valid after eviction: they hold their own buffer.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import mmap
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from waste.errors import WasteError
+from waste.kernels.quant import QMatrix
+from waste.units import human_bytes
+
+Expert = tuple[QMatrix, QMatrix, QMatrix]  # (w1 gate, w3 up, w2 down)
+POLICIES = ("lru", "lfu")
+
+
+@dataclass
+class LayerStats:
+    """Counters of one layer (or the total). `requests` counts expert lookups: one per id
+    asked for, so requests = hits + misses; `calls` counts `get` calls."""
+
+    calls: int = 0
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else float("nan")
+
+    @property
+    def gbps(self) -> float:
+        """Achieved read bandwidth, 1e9 bytes per second of wall time spent reading."""
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else float("nan")
+
+    def add(self, other: LayerStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("hit_rate", "gbps"):
+            v = getattr(self, name)
+            d[name] = None if np.isnan(v) else v
+        return d
+
+
+class ExpertStats:
+    """Per-layer and total counters of an expert store."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerStats] = {}
+
+    def layer(self, layer: int) -> LayerStats:
+        """The counters of one layer, created on first use."""
+        return self.layers.setdefault(layer, LayerStats())
+
+    @property
+    def total(self) -> LayerStats:
+        t = LayerStats()
+        for s in self.layers.values():
+            t.add(s)
+        return t
+
+    def reset(self) -> None:
+        self.layers.clear()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "layers": {str(k): v.as_dict() for k, v in sorted(self.layers.items())},
+            "total": self.total.as_dict(),
+        }
+
+    def format_table(self) -> str:
+        """A fixed-width table: one row per layer, then the total."""
+        cols = ("layer", 6), ("lookups", 9), ("hits", 9), ("misses", 9), ("hit %", 7), ("read", 11), ("read s", 9)
+        rows = [" ".join(f"{name:>{width}}" for name, width in cols) + f" {'GB/s':>7}"]
+        for name, s in [*((str(k), v) for k, v in sorted(self.layers.items())), ("total", self.total)]:
+            hit = "-" if np.isnan(s.hit_rate) else f"{100 * s.hit_rate:.1f}"
+            gbps = "-" if np.isnan(s.gbps) else f"{s.gbps:.2f}"
+            rows.append(
+                f"{name:>6} {s.requests:>9} {s.hits:>9} {s.misses:>9} {hit:>7} {human_bytes(s.bytes_read):>11} "
+                f"{s.read_seconds:>9.3f} {gbps:>7}"
+            )
+        return "\n".join(rows)
+
+
+class ExpertStore(ABC):
+    """Hands out the routed experts of one container, layer by layer."""
+
+    io_mode = "none"
+
+    def __init__(self, container: Any):
+        self.container = container
+        self.stats = ExpertStats()
+        self._last_hits = np.zeros(0, bool)
+        self._num_experts = int(container.config.num_experts)
+        self._moe_layers = frozenset(container.config.moe_layers)
+
+    @abstractmethod
+    def get(self, layer: int, expert_ids: Sequence[int]) -> list[Expert]:
+        """The (w1, w3, w2) of each expert asked for, in the order asked."""
+
+    @property
+    def last_hits(self) -> np.ndarray:
+        """[n] bool: which ids of the last `get` were cache hits, parallel to the request."""
+        return self._last_hits
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release files and threads; experts already handed out stay valid."""
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self, layer: int, expert_ids: Sequence[int]) -> list[int]:
+        if layer not in self._moe_layers:
+            raise WasteError(f"expert store: layer {layer} is not a MoE layer")
+        ids = [int(e) for e in expert_ids]
+        if any(not 0 <= e < self._num_experts for e in ids):
+            raise WasteError(f"expert store: expert ids {ids} outside 0..{self._num_experts - 1}")
+        if len(set(ids)) != len(ids):
+            raise WasteError(f"expert store: expert ids {ids} repeat within one request")
+        return ids
+
+
+class MmapExpertStore(ExpertStore):
+    """No cache and no reads of its own: views over the container's memory map.
+
+    Every lookup counts as a miss and its blob size is counted in `bytes_read` (what the
+    page cache or the disk will serve when the views are touched); read time is not
+    measured, since the map faults pages in lazily, so `read_seconds` stays 0.
+    """
+
+    io_mode = "mmap"
+
+    def get(self, layer: int, expert_ids: Sequence[int]) -> list[Expert]:
+        ids = self._check(layer, expert_ids)
+        out = [self.container.expert(layer, e) for e in ids]
+        st = self.stats.layer(layer)
+        st.calls += 1
+        st.requests += len(ids)
+        st.misses += len(ids)
+        st.bytes_read += sum(int(self.container.expert_span(layer, e)[1]) for e in ids)
+        self._last_hits = np.zeros(len(ids), bool)
+        return out
+
+    def close(self) -> None:
+        """Nothing to release: the container owns the map."""
+
+
+@dataclass
+class _Entry:
+    expert: Expert
+    buf: np.ndarray  # [nbytes] uint8, page-aligned; the decoded views point into it
+    freq: int = 0
+    tick: int = 0
+
+
+class _ExpertCache:
+    """Entries keyed by (layer, expert) within a byte budget; LRU or LFU (ties to LRU)."""
+
+    def __init__(self, budget_bytes: int, policy: str):
+        self.budget = budget_bytes
+        self.policy = policy
+        self.entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()  # least recent first
+        self.held = 0
+        self._tick = 0
+        self._heap: list[tuple[int, int, tuple[int, int]]] = []  # LFU: (freq, tick, key), lazily pruned
+
+    def lookup(self, key: tuple[int, int]) -> _Entry | None:
+        return self.entries.get(key)
+
+    def touch(self, key: tuple[int, int], entry: _Entry) -> None:
+        """Mark `key` used now, inserting `entry` if it is not cached."""
+        self._tick += 1
+        held = self.entries.get(key)
+        if held is not None:
+            held.freq += 1
+            held.tick = self._tick
+            self.entries.move_to_end(key)
+            self._push(key, held)
+            return
+        nbytes = int(entry.buf.nbytes)
+        if nbytes > self.budget:
+            return
+        while self.held + nbytes > self.budget:
+            self._evict()
+        entry.freq, entry.tick = 1, self._tick
+        self.entries[key] = entry
+        self.held += nbytes
+        self._push(key, entry)
+
+    def _push(self, key: tuple[int, int], entry: _Entry) -> None:
+        if self.policy != "lfu":
+            return
+        heapq.heappush(self._heap, (entry.freq, entry.tick, key))
+        if len(self._heap) > 4 * len(self.entries) + 64:
+            self._heap = [(e.freq, e.tick, k) for k, e in self.entries.items()]
+            heapq.heapify(self._heap)
+
+    def _evict(self) -> None:
+        if self.policy == "lru":
+            key, entry = self.entries.popitem(last=False)
+        else:
+            while True:
+                freq, tick, key = heapq.heappop(self._heap)
+                held = self.entries.get(key)
+                if held is not None and held.freq == freq and held.tick == tick:
+                    break
+            entry = self.entries.pop(key)
+        self.held -= int(entry.buf.nbytes)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._heap.clear()
+        self.held = 0
+
+
+class StreamingExpertStore(ExpertStore):
+    """Reads missing experts from experts.bin into a cache of `budget_bytes` (see module doc).
+
+    `io_mode` is "direct" when O_DIRECT is in use and "buffered" otherwise; `io_note` says
+    why a requested O_DIRECT was given up (open refused, or a read returned EINVAL).
+    """
+
+    def __init__(
+        self,
+        container: Any,
+        budget_bytes: int,
+        policy: str = "lru",
+        read_threads: int = 4,
+        direct_io: bool = False,
+    ):
+        super().__init__(container)
+        if budget_bytes < 0:
+            raise WasteError(f"expert cache budget must not be negative, got {budget_bytes}")
+        if policy not in POLICIES:
+            raise WasteError(f"expert cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        if read_threads < 1:
+            raise WasteError(f"read threads must be at least 1, got {read_threads}")
+        self.budget_bytes = int(budget_bytes)
+        self.policy = policy
+        self.read_threads = int(read_threads)
+        self.io_note = ""
+        self._path = container.experts_path
+        self._cache = _ExpertCache(self.budget_bytes, policy)
+        self._lock = threading.Lock()
+        self._retired_fds: list[int] = []
+        self._fd: int | None = self._open(direct_io)
+        self._pool = ThreadPoolExecutor(self.read_threads, "waste-expert-read") if self.read_threads > 1 else None
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes the cache holds now (the sum of its entries' blob sizes)."""
+        return self._cache.held
+
+    def cached_keys(self) -> list[tuple[int, int]]:
+        """(layer, expert) of every cached entry, least recently used first."""
+        return list(self._cache.entries)
+
+    def get(self, layer: int, expert_ids: Sequence[int]) -> list[Expert]:
+        if self._fd is None:
+            raise WasteError("expert store is closed")
+        ids = self._check(layer, expert_ids)
+        looked_up = [self._cache.lookup((layer, e)) for e in ids]
+        hits = np.array([f is not None for f in looked_up], bool)
+        found: dict[int, _Entry] = {i: f for i, f in enumerate(looked_up) if f is not None}
+        missing = [i for i, f in enumerate(looked_up) if f is None]
+        st = self.stats.layer(layer)
+        if missing:
+            spans = {i: self.container.expert_span(layer, ids[i]) for i in missing}
+            # Disk-offset order: the pool takes work first in, first out.
+            order = sorted(missing, key=lambda i: spans[i][0])
+            t0 = time.perf_counter()
+            if self._pool is not None and len(order) > 1:
+                bufs = list(self._pool.map(lambda i: self._read(*spans[i]), order))
+            else:
+                bufs = [self._read(*spans[i]) for i in order]
+            st.read_seconds += time.perf_counter() - t0
+            for i, buf in zip(order, bufs, strict=True):
+                w1, w3, w2 = self.container.decode_expert(layer, buf)
+                found[i] = _Entry((w1, w3, w2), buf)
+                st.bytes_read += int(buf.nbytes)
+        for i, e in enumerate(ids):
+            self._cache.touch((layer, e), found[i])
+        st.calls += 1
+        st.requests += len(ids)
+        st.hits += int(hits.sum())
+        st.misses += len(missing)
+        self._last_hits = hits
+        return [found[i].expert for i in range(len(ids))]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        with self._lock:
+            for fd in [*self._retired_fds, *([self._fd] if self._fd is not None else [])]:
+                os.close(fd)
+            self._retired_fds.clear()
+            self._fd = None
+        self._cache.clear()
+
+    def _open(self, direct_io: bool) -> int:
+        if direct_io:
+            flag = getattr(os, "O_DIRECT", None)
+            if flag is None:
+                self.io_note = "O_DIRECT is not available on this platform"
+            else:
+                try:
+                    fd = _os_open(self._path, os.O_RDONLY | flag)
+                    self.io_mode = "direct"
+                    return fd
+                except OSError as e:
+                    self.io_note = f"O_DIRECT open refused ({e.strerror})"
+        try:
+            fd = _os_open(self._path, os.O_RDONLY)
+        except OSError as e:
+            raise WasteError(f"expert file {self._path}: {e.strerror}") from None
+        self.io_mode = "buffered"
+        return fd
+
+    def _fall_back(self, failed_fd: int, note: str) -> None:
+        """Switch to buffered reads after O_DIRECT failed on `failed_fd` (once, whichever
+        reader thread gets here first). The old descriptor stays open until close(), since
+        other readers may still be using it."""
+        with self._lock:
+            if self._fd != failed_fd or self._fd is None:
+                return
+            fd = self._open(False)
+            self._retired_fds.append(failed_fd)
+            self._fd = fd
+            self.io_note = note
+
+    def _read(self, offset: int, nbytes: int) -> np.ndarray:
+        buf = _aligned_buffer(nbytes)
+        while True:
+            fd, direct = self._fd, self.io_mode == "direct"
+            if fd is None:
+                raise WasteError("expert store is closed")
+            try:
+                _pread_into(fd, buf, offset)
+                return buf
+            except OSError as e:
+                if direct and e.errno == errno.EINVAL:
+                    self._fall_back(fd, f"O_DIRECT read refused ({e.strerror}); reading buffered")
+                    continue
+                raise WasteError(f"expert file {self._path}: reading {nbytes} B at {offset}: {e.strerror}") from None
+            except EOFError:
+                raise WasteError(
+                    f"expert file {self._path}: truncated, blob of {nbytes} B at offset {offset} runs past the end"
+                ) from None
+
+
+def open_expert_store(
+    container: Any,
+    budget_bytes: int | None,
+    policy: str = "lru",
+    read_threads: int = 4,
+    direct_io: bool = False,
+) -> ExpertStore:
+    """The store `waste run` uses: budget None maps the container, otherwise stream."""
+    if budget_bytes is None:
+        return MmapExpertStore(container)
+    return StreamingExpertStore(container, budget_bytes, policy, read_threads, direct_io)
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    """A writable [nbytes] uint8 buffer starting on a page boundary (O_DIRECT needs the
+    address aligned); an anonymous map is page-aligned and wastes nothing when the blob
+    size is a multiple of the page size, as container blobs are."""
+    if nbytes <= 0:
+        raise WasteError(f"expert blob size must be positive, got {nbytes}")
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+def _os_pread_copy(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """preadv for platforms without it: one pread, then a copy."""
+    data = os.pread(fd, len(buffers[0]), offset)
+    buffers[0][: len(data)] = data
+    return len(data)
+
+
+# Module-level hooks so tests can force the O_DIRECT fallbacks.
+_os_open = os.open
+_preadv = getattr(os, "preadv", _os_pread_copy)
+
+
+def _pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Fill `buf` from `offset`, one positional read (more only if the kernel returns short)."""
+    view = memoryview(buf)
+    done = 0
+    while done < len(view):
+        got = _preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise EOFError
+        done += got
