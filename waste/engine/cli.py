@@ -76,6 +76,10 @@ def cmd_run(args: Any) -> int:
     if not prompt and session.last_logits is None:
         raise WasteError(f"session {args.session_in} has no tokens to continue from; give --prompt-ids")
     cfg = container.config
+    needed = session.position + len(prompt) + args.max_new
+    if needed > cfg.max_position_embeddings:
+        raise WasteError(f"context of {needed} tokens (session {session.position} + prompt {len(prompt)} + "
+                         f"--max-new {args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
     recorder = TraceRecorder(cfg.num_layers, cfg.moe_layers, cfg.num_experts_per_token) if args.trace_out else None
     run = generate(model, session, prompt, args.max_new, sampler, chunk=args.prefill_chunk, observer=recorder)
     print("generated:", ",".join(str(t) for t in run.generated))

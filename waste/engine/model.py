@@ -25,6 +25,7 @@ from waste.engine.kda_layer import KDALayer
 from waste.engine.mla_layer import MLALayer
 from waste.engine.moe_layer import DenseFFN, MoELayer
 from waste.engine.session import Session, read_session_file
+from waste.engine.trace import expand_hits
 from waste.errors import WasteError
 
 DEFAULT_PREFILL_CHUNK = 32
@@ -152,9 +153,8 @@ class Model:
                 f, routing = ffn.forward(x, self.store)
                 times.dedup.append(routing.dedup_ratio)
                 if observer is not None:
-                    hits = self.store.last_hits
-                    token_hits = hits[np.searchsorted(routing.unique, routing.ids)]
-                    observer.on_routing(i, positions, phase, routing, token_hits)
+                    hits = expand_hits(routing.ids, routing.unique, self.store.last_hits)
+                    observer.on_routing(i, positions, phase, routing, hits)
                 times.add("moe", t0)
             else:
                 f = ffn.forward(x)

@@ -1,0 +1,189 @@
+"""MLALayer (absorbed, float32, latent cache) against the float64 non-absorbed layer oracle.
+
+Both query forms (direct q_proj; q_a -> norm -> q_b) and the K3 output gate. Tolerance 1e-5
+of the output scale: float32 projections over <= 64 inputs and attention over <= 20 tokens
+keep the relative error near 1e-6 (see tests/kernels/test_mla.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from waste.config import ModelConfig, parse_config, preset_dict
+from waste.engine.mla_layer import MLACache, MLALayer
+from waste.errors import WasteError
+from waste.kernels.quant import quantize
+from waste.reference.mla import mla_attention, naive_mla_layer
+
+RTOL = 1e-5
+PREFIX = "model.layers.1.self_attn."
+
+
+def _config(variant: str) -> ModelConfig:
+    hf = preset_dict("tiny")
+    if variant == "k3":
+        hf.update(q_lora_rank=24, mla_use_output_gate=True)
+    return parse_config(hf)
+
+
+def _weights(cfg: ModelConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random MLA weights named as in the checkpoint (without the prefix and '.weight')."""
+    d, H = cfg.hidden_size, cfg.mla_num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    shapes = {
+        "kv_a_proj_with_mqa": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d),
+        "kv_b_proj": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        "o_proj": (d, H * cfg.v_head_dim),
+    }
+    if cfg.q_lora_rank is None:
+        shapes["q_proj"] = (H * qk, d)
+    else:
+        shapes["q_a_proj"] = (cfg.q_lora_rank, d)
+        shapes["q_b_proj"] = (H * qk, cfg.q_lora_rank)
+    if cfg.mla_output_gate:
+        shapes["g_proj"] = (H * cfg.v_head_dim, d)
+    w = {n: (rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for n, s in shapes.items()}
+    w["kv_a_layernorm"] = (1 + 0.1 * rng.standard_normal(cfg.kv_lora_rank)).astype(np.float32)
+    if cfg.q_lora_rank is not None:
+        w["q_a_layernorm"] = (1 + 0.1 * rng.standard_normal(cfg.q_lora_rank)).astype(np.float32)
+    return w
+
+
+def _layer(cfg: ModelConfig, w: dict[str, np.ndarray], fmt: str = "f32") -> MLALayer:
+    def get_matrix(name: str):
+        return quantize(w[name.removeprefix(PREFIX).removesuffix(".weight")], fmt)
+
+    def get_tensor(name: str):
+        return w[name.removeprefix(PREFIX).removesuffix(".weight")]
+
+    return MLALayer.from_weights(cfg, get_matrix, get_tensor, PREFIX)
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> None:
+    assert np.all(np.isfinite(a))
+    err = np.max(np.abs(a - b))
+    assert err <= RTOL * np.max(np.abs(b)), f"max abs error {err:.3g} vs scale {np.max(np.abs(b)):.3g}"
+
+
+def _f64(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.astype(np.float64) for k, v in w.items()}
+
+
+@pytest.mark.parametrize("variant", ["kimi_linear", "k3"])
+def test_prefill_then_decode_matches_reference(variant: str) -> None:
+    cfg = _config(variant)
+    rng = np.random.default_rng(1 if variant == "k3" else 2)
+    w = _weights(cfg, rng)
+    layer = _layer(cfg, w)
+    T = 17
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    want = naive_mla_layer(x, _f64(w), cfg)
+
+    one = layer.new_cache(T)
+    _close(layer.prefill(x, one), want)
+    assert one.length == T
+
+    # Uneven chunks, then token-by-token decode, must reproduce the one-shot sequence.
+    cache = layer.new_cache(T + 3)
+    cache.latent[:] = np.nan  # rows not yet written must never be read
+    parts = [layer.prefill(x[0:5], cache), layer.prefill(x[5:6], cache), layer.prefill(x[6:12], cache)]
+    parts += [layer.decode(x[t], cache)[None] for t in range(12, T)]
+    _close(np.concatenate(parts), want)
+    assert cache.length == T
+    # Same rows up to float32 rounding (BLAS blocks a 1-row product differently from a 17-row one).
+    _close(cache.latent[:T], one.latent[:T])
+
+
+def test_cache_rows_are_normalised_latent_plus_rope() -> None:
+    cfg = _config("kimi_linear")
+    rng = np.random.default_rng(3)
+    w = _weights(cfg, rng)
+    layer = _layer(cfg, w)
+    x = rng.standard_normal((4, cfg.hidden_size)).astype(np.float32)
+    cache = layer.new_cache(8)
+    layer.prefill(x, cache)
+    R = cfg.kv_lora_rank
+    ckv = x.astype(np.float64) @ w["kv_a_proj_with_mqa"].T.astype(np.float64)
+    c = ckv[:, :R] / np.sqrt(np.mean(ckv[:, :R] ** 2, axis=1, keepdims=True) + 1e-6) * w["kv_a_layernorm"]
+    _close(cache.latent[:4, :R], c)
+    _close(cache.latent[:4, R:], ckv[:, R:])
+    assert cache.latent.shape == (8, cfg.mla_latent_size)
+    assert cache.nbytes == 4 * cfg.mla_latent_size * 4
+
+
+def test_decode_probabilities_match_reference() -> None:
+    cfg = _config("k3")
+    rng = np.random.default_rng(4)
+    w = _weights(cfg, rng)
+    layer = _layer(cfg, w)
+    x = rng.standard_normal((9, cfg.hidden_size)).astype(np.float32)
+    cache = layer.new_cache(9)
+    layer.prefill(x[:8], cache)
+    before = cache.copy()
+    seen = layer.inspect_decode(x[8], cache)
+    assert cache.length == 8 and np.array_equal(cache.latent, before.latent)
+    assert seen["probs"].shape == (cfg.mla_num_heads, 9)
+    # The float64 oracle's last-query probabilities, from the cache rows the layer wrote.
+    full = cache.copy()
+    y = layer.decode(x[8], full)
+    np.testing.assert_array_equal(y, seen["y"])
+    np.testing.assert_array_equal(layer.attention_weights_last, seen["probs"])
+    np.testing.assert_array_equal(full.latent[8], seen["latent"])
+    wf = _f64(w)
+    xq = x[8:].astype(np.float64)
+    q = (xq @ wf["q_a_proj"].T)
+    q = q / np.sqrt(np.mean(q**2, axis=1, keepdims=True) + cfg.kv_layernorm_eps) * wf["q_a_layernorm"]
+    q = (q @ wf["q_b_proj"].T).reshape(1, cfg.mla_num_heads, -1)
+    _, probs = mla_attention(
+        q, full.latent[:9], wf["kv_b_proj"], start=8, kv_rank=cfg.kv_lora_rank, nope=cfg.qk_nope_head_dim,
+        v_dim=cfg.v_head_dim, scale=(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5,
+    )
+    _close(seen["probs"], probs[0])
+
+
+def test_capacity_overflow_names_the_capacity() -> None:
+    cfg = _config("kimi_linear")
+    rng = np.random.default_rng(5)
+    layer = _layer(cfg, _weights(cfg, rng))
+    cache = layer.new_cache(4)
+    x = rng.standard_normal((3, cfg.hidden_size)).astype(np.float32)
+    layer.prefill(x, cache)
+    with pytest.raises(WasteError, match="capacity 4"):
+        layer.prefill(x[:2], cache)
+    layer.decode(x[0], cache)
+    with pytest.raises(WasteError, match="capacity 4"):
+        layer.decode(x[1], cache)
+    assert cache.length == 4
+
+
+def test_cache_copy_is_independent() -> None:
+    cache = MLACache(np.zeros((3, 5), np.float32), 1)
+    twin = cache.copy()
+    twin.latent[0, 0] = 1.0
+    twin.length = 2
+    assert cache.latent[0, 0] == 0.0 and cache.length == 1
+    assert twin.nbytes == 2 * 5 * 4
+
+
+def test_wrong_shapes_are_refused() -> None:
+    cfg = _config("kimi_linear")
+    w = _weights(cfg, np.random.default_rng(6))
+    w["kv_b_proj"] = w["kv_b_proj"][:-1]
+    with pytest.raises(WasteError, match="kv_b_proj"):
+        _layer(cfg, w)
+    w = _weights(cfg, np.random.default_rng(6))
+    w["kv_a_layernorm"] = w["kv_a_layernorm"][:-1]
+    with pytest.raises(WasteError, match="kv_a_layernorm"):
+        _layer(cfg, w)
+
+
+def test_bf16_weights_match_reference_on_their_values() -> None:
+    cfg = _config("k3")
+    rng = np.random.default_rng(7)
+    w = _weights(cfg, rng)
+    layer = _layer(cfg, w, fmt="bf16")
+    # The oracle reads what the bf16 matrices stand for; vectors stay float32.
+    wq = {k: quantize(v, "bf16").dequantize() if v.ndim == 2 else v for k, v in w.items()}
+    x = rng.standard_normal((6, cfg.hidden_size)).astype(np.float32)
+    _close(layer.prefill(x, layer.new_cache(6)), naive_mla_layer(x, _f64(wq), cfg))

@@ -1,0 +1,175 @@
+"""MoELayer and DenseFFN (float32, QMatrix, expert store) against the float64 MoE oracle.
+
+Tolerance 1e-5 of the output scale (float32 matmuls over <= 64 inputs; see
+tests/kernels/test_moe.py). Routing ids must agree exactly: the test inputs keep corrected
+scores far from ties at float32 resolution.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from waste.config import ModelConfig, parse_config, preset_dict
+from waste.engine.moe_layer import DenseFFN, MoELayer
+from waste.errors import WasteError
+from waste.kernels.quant import QMatrix, quantize
+from waste.reference.moe import moe_ffn, swiglu
+
+RTOL = 1e-5
+LAYER = 2
+PREFIX = f"model.layers.{LAYER}.block_sparse_moe."
+
+
+class FakeStore:
+    """The expert store interface over a dict {(layer, e): (w1, w3, w2)}; records every call."""
+
+    def __init__(self, experts: dict[tuple[int, int], tuple[QMatrix, QMatrix, QMatrix]]):
+        self.experts = experts
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def get(self, layer_index: int, expert_ids: list[int]) -> list[tuple[QMatrix, QMatrix, QMatrix]]:
+        self.calls.append((layer_index, list(expert_ids)))
+        return [self.experts[layer_index, e] for e in expert_ids]
+
+
+def _config(**overrides) -> ModelConfig:
+    hf = preset_dict("tiny")
+    hf.update(num_experts=16, num_experts_per_token=3, num_expert_group=4, topk_group=2, num_shared_experts=2)
+    hf.update(overrides)
+    return parse_config(hf)
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    return (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+
+
+def _build(cfg: ModelConfig, rng: np.random.Generator, router_weights: str = "unbiased"):
+    d, inner = cfg.hidden_size, cfg.moe_intermediate_size
+    arrays = {
+        "gate.weight": rng.standard_normal((cfg.num_experts, d)).astype(np.float32),
+        "gate.e_score_correction_bias": (0.1 * rng.standard_normal(cfg.num_experts)).astype(np.float32),
+    }
+    shared_inner = inner * cfg.num_shared_experts
+    for n, s in (("gate_proj", (shared_inner, d)), ("up_proj", (shared_inner, d)), ("down_proj", (d, shared_inner))):
+        arrays[f"shared_experts.{n}.weight"] = _random(rng, s)
+    experts = {
+        (LAYER, e): tuple(quantize(_random(rng, s), "f32") for s in ((inner, d), (inner, d), (d, inner)))
+        for e in range(cfg.num_experts)
+    }
+    layer = MoELayer.from_weights(
+        cfg, lambda n: quantize(arrays[n.removeprefix(PREFIX)], "f32"), lambda n: arrays[n.removeprefix(PREFIX)],
+        PREFIX, LAYER, router_weights=router_weights,
+    )
+    return layer, arrays, FakeStore(experts)
+
+
+def _reference(cfg: ModelConfig, arrays, store: FakeStore, x: np.ndarray, router_weights: str = "unbiased"):
+    def f64(m: QMatrix) -> np.ndarray:
+        return m.dequantize().astype(np.float64)
+
+    shared = None
+    if cfg.num_shared_experts:
+        shared = tuple(arrays[f"shared_experts.{n}.weight"].astype(np.float64)
+                       for n in ("gate_proj", "up_proj", "down_proj"))
+    return moe_ffn(
+        x, arrays["gate.weight"], arrays["gate.e_score_correction_bias"],
+        lambda e: tuple(f64(m) for m in store.experts[LAYER, e]), shared,
+        top_k=cfg.num_experts_per_token, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
+        renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor, router_weights=router_weights,
+    )
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> None:
+    assert np.all(np.isfinite(a))
+    err = np.max(np.abs(a - b))
+    assert err <= RTOL * np.max(np.abs(b)), f"max abs error {err:.3g} vs scale {np.max(np.abs(b)):.3g}"
+
+
+@pytest.mark.parametrize("router_weights", ["unbiased", "biased"])
+def test_forward_matches_reference_and_fetches_each_expert_once(router_weights: str) -> None:
+    cfg = _config()
+    rng = np.random.default_rng(11 if router_weights == "biased" else 12)
+    layer, arrays, store = _build(cfg, rng, router_weights)
+    T = 20
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    y, info = layer.forward(x, store)
+    want, ids, weights = _reference(cfg, arrays, store, x, router_weights)
+    _close(y, want)
+    np.testing.assert_array_equal(info.ids, ids)
+    np.testing.assert_allclose(info.weights, weights, rtol=1e-6)
+    assert info.ids.dtype == np.int64 and info.weights.dtype == np.float32
+    assert store.calls == [(LAYER, sorted(set(ids.ravel().tolist())))]
+    np.testing.assert_array_equal(info.unique, store.calls[0][1])
+    assert info.dedup_ratio == pytest.approx(T * cfg.num_experts_per_token / len(info.unique))
+    assert info.dedup_ratio > 1
+
+
+def test_router_modes_differ_only_in_weights() -> None:
+    cfg = _config()
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((8, cfg.hidden_size)).astype(np.float32)
+    unbiased, arrays, store = _build(cfg, np.random.default_rng(14))
+    biased, _, _ = _build(cfg, np.random.default_rng(14), "biased")
+    y0, i0 = unbiased.forward(x, store)
+    y1, i1 = biased.forward(x, store)
+    np.testing.assert_array_equal(i0.ids, i1.ids)
+    assert not np.allclose(i0.weights, i1.weights)
+    np.testing.assert_allclose(i0.weights.sum(axis=1), cfg.routed_scaling_factor, rtol=1e-6)
+    np.testing.assert_allclose(i1.weights.sum(axis=1), cfg.routed_scaling_factor, rtol=1e-6)
+    assert not np.allclose(y0, y1)
+
+
+def test_tokens_are_independent() -> None:
+    cfg = _config(num_expert_group=1, topk_group=1, num_shared_experts=1)
+    rng = np.random.default_rng(15)
+    layer, _, store = _build(cfg, rng)
+    x = rng.standard_normal((12, cfg.hidden_size)).astype(np.float32)
+    y, _ = layer.forward(x, store)
+    for t in (0, 5, 11):
+        yt, info = layer.forward(x[t : t + 1], store)
+        _close(yt[0], y[t])
+        assert info.dedup_ratio == 1.0
+
+
+def test_without_shared_experts() -> None:
+    cfg = _config(num_shared_experts=0)
+    rng = np.random.default_rng(16)
+    layer, arrays, store = _build(cfg, rng)
+    assert layer.shared is None
+    x = rng.standard_normal((5, cfg.hidden_size)).astype(np.float32)
+    y, _ = layer.forward(x, store)
+    _close(y, _reference(cfg, arrays, store, x)[0])
+
+
+def test_dense_ffn_matches_reference() -> None:
+    cfg = _config()
+    rng = np.random.default_rng(17)
+    d, inner = cfg.hidden_size, cfg.intermediate_size
+    arrays = {f"model.layers.0.mlp.{n}.weight": _random(rng, s)
+              for n, s in (("gate_proj", (inner, d)), ("up_proj", (inner, d)), ("down_proj", (d, inner)))}
+    ffn = DenseFFN.from_weights(cfg, lambda n: quantize(arrays[n], "f32"), arrays.__getitem__, "model.layers.0.mlp.")
+    x = rng.standard_normal((7, d)).astype(np.float32)
+    want = swiglu(x, *(arrays[f"model.layers.0.mlp.{n}_proj.weight"].astype(np.float64)
+                       for n in ("gate", "up", "down")))
+    _close(ffn.forward(x), want)
+    arrays["model.layers.0.mlp.up_proj.weight"] = _random(rng, (inner, d + 1))
+    with pytest.raises(WasteError, match="up_proj"):
+        DenseFFN.from_weights(cfg, lambda n: quantize(arrays[n], "f32"), arrays.__getitem__, "model.layers.0.mlp.")
+
+
+def test_bad_configuration_is_refused() -> None:
+    cfg = _config()
+    rng = np.random.default_rng(18)
+    with pytest.raises(WasteError, match="router_weights"):
+        _build(cfg, rng, "both")
+    layer, arrays, store = _build(cfg, rng)
+    with pytest.raises(WasteError, match="MoE input"):
+        layer.forward(np.zeros((2, cfg.hidden_size + 1), np.float32), store)
+    arrays["gate.e_score_correction_bias"] = arrays["gate.e_score_correction_bias"][:-1]
+    with pytest.raises(WasteError, match="e_score_correction_bias"):
+        MoELayer.from_weights(cfg, lambda n: quantize(arrays[n.removeprefix(PREFIX)], "f32"),
+                              lambda n: arrays[n.removeprefix(PREFIX)], PREFIX, LAYER)
+    latent = _config(routed_expert_hidden_size=32)
+    with pytest.raises(WasteError, match="latent MoE"):
+        MoELayer.from_weights(latent, None, None, PREFIX, LAYER)

@@ -1,0 +1,119 @@
+"""Router and SwiGLU kernels against the float64 oracle in waste.reference.moe.
+
+Tolerance: routing weights are a handful of float32 sigmoids, a sum and two products, so
+they agree with float64 to a few ulps (1e-6 relative is 15 ulps). SwiGLU outputs go through
+two float32 matmuls over <= 64 inputs and a SiLU, 1e-5 of the output scale (see test_mla.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from waste.errors import WasteError
+from waste.kernels.moe import route, router_logits, silu_mul, swiglu
+from waste.kernels.quant import quantize
+from waste.reference import moe as ref
+
+
+@pytest.mark.parametrize(
+    ("E", "k", "groups", "keep", "mode", "renorm", "scaling"),
+    [
+        (8, 2, 1, 1, "unbiased", True, 2.446),
+        (16, 3, 4, 2, "unbiased", True, 1.0),
+        (16, 3, 4, 2, "biased", True, 2.5),
+        (24, 4, 6, 3, "biased", False, 1.5),
+        (12, 5, 12, 6, "unbiased", True, 1.0),  # one expert per group: group score is that expert's
+        (64, 8, 8, 8, "unbiased", False, 0.7),  # all groups kept
+    ],
+)
+def test_route_matches_reference(E, k, groups, keep, mode, renorm, scaling) -> None:
+    rng = np.random.default_rng(E * 100 + k * 10 + groups)
+    T = 40
+    logits = (2 * rng.standard_normal((T, E))).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(E)).astype(np.float32)
+    kw = dict(top_k=k, num_groups=groups, topk_group=keep, renormalize=renorm, scaling=scaling, router_weights=mode)
+    ids, w = route(logits, bias, **kw)
+    ref_ids, ref_w = ref.route(logits, bias, **kw)
+    assert ids.dtype == np.int64 and w.dtype == np.float32 and ids.shape == (T, k)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(w, ref_w, rtol=1e-6)
+    # Rank order: corrected scores are non-increasing along each row.
+    s = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    corrected = np.take_along_axis(s + bias, ids, axis=1)
+    assert np.all(np.diff(corrected, axis=1) <= 0)
+    for t in range(T):
+        assert len(set(ids[t])) == k
+        if groups > 1:
+            assert len({e // (E // groups) for e in ids[t]}) <= keep
+
+
+def test_bias_chooses_but_does_not_weigh() -> None:
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((5, 8)).astype(np.float32)
+    bias = np.zeros(8, np.float32)
+    bias[6] = 10.0  # expert 6 always wins the choice
+    ids, w = route(logits, bias, top_k=2, renormalize=False)
+    assert np.all(ids[:, 0] == 6)
+    np.testing.assert_allclose(w[:, 0], 1 / (1 + np.exp(-logits[:, 6])), rtol=1e-6)
+    _, wb = route(logits, bias, top_k=2, renormalize=False, router_weights="biased")
+    np.testing.assert_allclose(wb[:, 0], 10 + 1 / (1 + np.exp(-logits[:, 6])), rtol=1e-6)
+
+
+def test_ties_pick_the_lowest_index() -> None:
+    logits = np.zeros((2, 12), np.float32)
+    bias = np.zeros(12, np.float32)
+    ids, w = route(logits, bias, top_k=3, scaling=3.0)
+    np.testing.assert_array_equal(ids, [[0, 1, 2], [0, 1, 2]])
+    np.testing.assert_allclose(w, 1.0, rtol=1e-6)
+    # Tied groups too: the first two of four equal groups are kept.
+    ids, _ = route(logits, bias, top_k=3, num_groups=4, topk_group=2)
+    np.testing.assert_array_equal(ids, [[0, 1, 2], [0, 1, 2]])
+    ref_ids, _ = ref.route(logits, bias, top_k=3, num_groups=4, topk_group=2)
+    np.testing.assert_array_equal(ref_ids, ids)
+
+
+def test_router_logits_are_float32_products() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    w = rng.standard_normal((8, 16)).astype(np.float32)
+    got = router_logits(x, w)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_route_rejects_bad_arguments() -> None:
+    logits = np.zeros((2, 8), np.float32)
+    bias = np.zeros(8, np.float32)
+    with pytest.raises(WasteError, match="router_weights"):
+        route(logits, bias, top_k=2, router_weights="both")
+    with pytest.raises(WasteError, match="groups"):
+        route(logits, bias, top_k=2, num_groups=3)
+    with pytest.raises(WasteError, match="top_k"):
+        route(logits, bias, top_k=5, num_groups=4, topk_group=2)
+    with pytest.raises(WasteError, match="8 values"):
+        route(logits, np.zeros(7, np.float32), top_k=2)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_swiglu_matches_reference(fmt: str) -> None:
+    rng = np.random.default_rng(3)
+    T, D, I = 6, 48, 64
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    mats = [rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1]) for s in ((I, D), (I, D), (D, I))]
+    q = [quantize(m, fmt) for m in mats]
+    got = swiglu(x, *q)
+    # The reference reads what the matrices stand for (bf16-rounded weights for bf16).
+    want = ref.swiglu(x, *(m.dequantize().astype(np.float64) for m in q))
+    assert got.shape == (T, D) and got.dtype == np.float32
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+
+def test_silu_mul_extremes_are_finite() -> None:
+    g = np.array([[-1e4, -100.0, 0.0, 100.0, 1e4]], np.float32)
+    u = np.full_like(g, 2.0)
+    got = silu_mul(g, u)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, ref.silu(g) * 2.0, rtol=1e-6, atol=1e-30)
+    with pytest.raises(WasteError, match="equal"):
+        silu_mul(g, u[:, :3])

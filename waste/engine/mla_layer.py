@@ -1,0 +1,223 @@
+"""One MLA attention layer of a Kimi model, working in the latent space.
+
+The cache keeps, per token, the normalised KV latent (R = kv_lora_rank values) and the shared
+rope part of the key (P = qk_rope_head_dim values, unrotated: `mla_use_nope`), 576 values for
+the real models. Attention never re-expands the cache: W_UK (the key half of kv_b_proj) is
+absorbed into the query, W_UV (the value half) is applied to the attended latent afterwards,
+both per head and both prepared once at load as float32.
+
+Query forms: `q_proj` when `q_lora_rank` is null (Kimi-Linear); `q_a_proj` -> `q_a_layernorm`
+-> `q_b_proj` otherwise (K3). The K3 output gate (`mla_use_output_gate`) multiplies the
+concatenated head outputs by sigmoid(g_proj x), g_proj [H*V, hidden], before o_proj; x is the
+layer input (after input_layernorm), as in vLLM's kimi_linear and Moonshot's reference code.
+
+Input x is the layer input after input_layernorm; output y is what the block adds to the
+residual stream. Shapes: x [T, hidden]; q [T, H, nope + P]; latent rows [T, R + P].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from waste.config import ModelConfig
+from waste.errors import WasteError
+from waste.kernels.mla import mla_decode, mla_prefill
+from waste.kernels.quant import QMatrix
+
+GetMatrix = Callable[[str], QMatrix]
+GetTensor = Callable[[str], np.ndarray]
+
+
+@dataclass
+class MLACache:
+    """Latent cache of one MLA layer: rows 0..length-1 of `latent` [capacity, R + P] are filled."""
+
+    latent: np.ndarray  # [capacity, R + P] float32
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.latent.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the filled part (length * (R + P) * 4)."""
+        return self.length * int(self.latent.shape[1]) * self.latent.itemsize
+
+    def copy(self) -> MLACache:
+        return MLACache(self.latent.copy(), self.length)
+
+
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    return (x / np.sqrt(ms + np.float32(eps))) * w
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32)
+
+
+class MLALayer:
+    """Absorbed-latent MLA: `prefill` for a chunk, `decode` for one token."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        q_proj: QMatrix | None,
+        q_a_proj: QMatrix | None,
+        q_a_norm: np.ndarray | None,
+        q_b_proj: QMatrix | None,
+        kv_a_proj: QMatrix,
+        kv_a_norm: np.ndarray,
+        kv_b: np.ndarray,
+        o_proj: QMatrix,
+        g_proj: QMatrix | None,
+    ):
+        self.H = cfg.mla_num_heads
+        self.nope = cfg.qk_nope_head_dim
+        self.rope = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.R = cfg.kv_lora_rank
+        self.eps = cfg.kv_layernorm_eps
+        self.scale = float((self.nope + self.rope) ** -0.5)
+        self.q_proj, self.q_a_proj, self.q_a_norm, self.q_b_proj = q_proj, q_a_proj, q_a_norm, q_b_proj
+        self.kv_a_proj, self.kv_a_norm = kv_a_proj, kv_a_norm
+        self.o_proj, self.g_proj = o_proj, g_proj
+        w = np.asarray(kv_b, np.float32).reshape(self.H, self.nope + self.v_dim, self.R)
+        self.w_uk = np.ascontiguousarray(w[:, : self.nope, :])  # [H, nope, R]: q_nope -> latent space
+        self.w_uv_t = np.ascontiguousarray(w[:, self.nope :, :].transpose(0, 2, 1))  # [H, R, V]: latent -> value
+        self.attention_weights_last: np.ndarray | None = None  # [H, ctx] of the last decode
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str) -> MLALayer:
+        """Build from a container; prefix like 'model.layers.3.self_attn.'."""
+        H, nope, rope, v_dim, R = (
+            cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank,
+        )
+        q_width = H * (nope + rope)
+
+        def matrix(name: str, shape: tuple[int, int]) -> QMatrix:
+            m = get_matrix(prefix + name)
+            if tuple(m.shape) != shape:
+                raise WasteError(f"{prefix}{name}: expected shape {list(shape)}, got {list(m.shape)}")
+            return m
+
+        def vector(name: str, size: int) -> np.ndarray:
+            t = np.asarray(get_tensor(prefix + name), np.float32).reshape(-1)
+            if t.shape != (size,):
+                raise WasteError(f"{prefix}{name}: expected {size} values, got shape {list(t.shape)}")
+            return t
+
+        hidden = cfg.hidden_size
+        kw: dict[str, Any] = {"q_proj": None, "q_a_proj": None, "q_a_norm": None, "q_b_proj": None, "g_proj": None}
+        if cfg.q_lora_rank is None:
+            kw["q_proj"] = matrix("q_proj.weight", (q_width, hidden))
+        else:
+            kw["q_a_proj"] = matrix("q_a_proj.weight", (cfg.q_lora_rank, hidden))
+            kw["q_a_norm"] = vector("q_a_layernorm.weight", cfg.q_lora_rank)
+            kw["q_b_proj"] = matrix("q_b_proj.weight", (q_width, cfg.q_lora_rank))
+        if cfg.mla_output_gate:
+            kw["g_proj"] = matrix("g_proj.weight", (H * v_dim, hidden))
+        kv_b = matrix("kv_b_proj.weight", (H * (nope + v_dim), R)).dequantize()
+        return cls(
+            cfg,
+            kv_a_proj=matrix("kv_a_proj_with_mqa.weight", (R + rope, hidden)),
+            kv_a_norm=vector("kv_a_layernorm.weight", R),
+            kv_b=kv_b,
+            o_proj=matrix("o_proj.weight", (hidden, H * v_dim)),
+            **kw,
+        )
+
+    @property
+    def latent_size(self) -> int:
+        """R + P: values cached per token."""
+        return self.R + self.rope
+
+    def new_cache(self, capacity: int) -> MLACache:
+        """An empty cache for `capacity` tokens."""
+        if capacity < 1:
+            raise WasteError(f"MLA cache capacity must be at least 1 token, got {capacity}")
+        return MLACache(np.zeros((capacity, self.latent_size), np.float32), 0)
+
+    def _queries(self, x: np.ndarray) -> np.ndarray:
+        """x [T, hidden] -> absorbed queries [T, H, R + P]."""
+        T = x.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj.matmul(x)
+        else:
+            q = self.q_b_proj.matmul(_rms_norm(self.q_a_proj.matmul(x), self.q_a_norm, self.eps))
+        q = q.reshape(T, self.H, self.nope + self.rope)
+        q_abs = np.empty((T, self.H, self.latent_size), np.float32)
+        # [H, T, nope] @ [H, nope, R] -> [H, T, R], one GEMM per head; numpy only hands
+        # contiguous operands to BLAS (a strided view takes a loop 20x slower).
+        q_nope = np.ascontiguousarray(q[:, :, : self.nope].transpose(1, 0, 2))
+        q_abs[:, :, : self.R] = np.matmul(q_nope, self.w_uk).transpose(1, 0, 2)
+        q_abs[:, :, self.R :] = q[:, :, self.nope :]
+        return q_abs
+
+    def _latents(self, x: np.ndarray) -> np.ndarray:
+        """x [T, hidden] -> cache rows [T, R + P]: normalised latent, then the rope part."""
+        ckv = self.kv_a_proj.matmul(x)
+        ckv[:, : self.R] = _rms_norm(ckv[:, : self.R], self.kv_a_norm, self.eps)
+        return ckv
+
+    def _output(self, x: np.ndarray, o_lat: np.ndarray) -> np.ndarray:
+        """Attended latents o_lat [T, H, R] -> y [T, hidden] through W_UV, the gate and o_proj."""
+        T = o_lat.shape[0]
+        o = np.matmul(np.ascontiguousarray(o_lat.transpose(1, 0, 2)), self.w_uv_t)
+        o = o.transpose(1, 0, 2).reshape(T, self.H * self.v_dim)
+        if self.g_proj is not None:
+            o = o * _sigmoid(self.g_proj.matmul(x))
+        return self.o_proj.matmul(np.ascontiguousarray(o, np.float32))
+
+    def _append(self, x: np.ndarray, cache: MLACache) -> int:
+        T = x.shape[0]
+        start = cache.length
+        if start + T > cache.capacity:
+            raise WasteError(
+                f"MLA cache capacity {cache.capacity} tokens exceeded: {start} cached + {T} new tokens"
+            )
+        cache.latent[start : start + T] = self._latents(x)
+        cache.length = start + T
+        return start
+
+    def prefill(self, x: np.ndarray, cache: MLACache) -> np.ndarray:
+        """Append the chunk's latents and attend causally over cache + chunk: x [T, hidden] -> y [T, hidden]."""
+        x = np.ascontiguousarray(x, np.float32)
+        if x.ndim != 2:
+            raise WasteError(f"MLA prefill input must be [T, hidden], got shape {x.shape}")
+        q_abs = self._queries(x)
+        start = self._append(x, cache)
+        o_lat = mla_prefill(q_abs, cache.latent, start, self.scale, self.R)
+        return self._output(x, o_lat)
+
+    def decode(self, x: np.ndarray, cache: MLACache) -> np.ndarray:
+        """One token: append its latent and attend over the whole cache, x [hidden] -> y [hidden]."""
+        x = np.ascontiguousarray(x, np.float32).reshape(1, -1)
+        q_abs = self._queries(x)[0]
+        self._append(x, cache)
+        o_lat, probs = mla_decode(q_abs, cache.latent, cache.length, self.scale, self.R)
+        self.attention_weights_last = probs
+        return self._output(x, o_lat[None])[0]
+
+    def inspect_decode(self, x: np.ndarray, cache: MLACache) -> dict[str, np.ndarray]:
+        """Decode one token on a copy of the cache (the cache is left unchanged).
+
+        Returns y [hidden], probs [H, ctx] (attention probabilities, ctx = cache.length + 1),
+        q_abs [H, R + P] and latent [R + P] (the new token's cache row).
+        """
+        work = cache.copy()
+        y = self.decode(x, work)
+        x2 = np.ascontiguousarray(x, np.float32).reshape(1, -1)
+        return {
+            "y": y,
+            "probs": self.attention_weights_last,
+            "q_abs": self._queries(x2)[0],
+            "latent": work.latent[work.length - 1].copy(),
+        }

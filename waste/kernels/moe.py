@@ -1,0 +1,147 @@
+"""MoE router (sigmoid, bias-corrected grouped top-k) and the SwiGLU expert over QMatrix weights.
+
+Routing per token (FACTS.md, float32 throughout like transformers' KimiLinearTopkRouter):
+
+    s = sigmoid(x W_router^T)                 # [E]
+    c = s + e_score_correction_bias           # used only to choose
+    group score = sum of the top-2 c in the group (top-1 when groups hold one expert);
+    keep the topk_group best groups, drop the experts of the others
+    ids = top-k of c among the kept experts, in rank order (best first)
+    w = s[ids] ("unbiased": transformers, vLLM)  |  c[ids] ("biased": the official remote code)
+    w = w / (sum(w) + 1e-20) if renormalize;  w = w * routed_scaling_factor
+
+Ties: among equal values the lowest index ranks first (groups and experts alike); the float64
+reference in `waste.reference.moe` uses the same rule.
+
+Shapes: logits [T, E]; ids, weights [T, k]; x [T, in]; expert weights gate/up [I, in], down [out, I].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from waste.errors import WasteError
+from waste.jit import kernel
+from waste.kernels.quant import QMatrix
+
+ROUTER_WEIGHTS = ("unbiased", "biased")
+
+
+@kernel
+def _route(logits, bias, top_k, n_group, topk_group, renormalize, scaling, biased, ids, weights):
+    T, E = logits.shape
+    group_size = E // n_group
+    one = np.float32(1.0)
+    s = np.empty(E, np.float32)
+    c = np.empty(E, np.float32)
+    allowed = np.empty(E, np.bool_)
+    group_score = np.empty(n_group, np.float32)
+    group_kept = np.empty(n_group, np.bool_)
+    for t in range(T):
+        for e in range(E):
+            s[e] = one / (one + np.exp(-logits[t, e]))
+            c[e] = s[e] + bias[e]
+        if topk_group < n_group:
+            for g in range(n_group):
+                b1 = -np.inf
+                b2 = -np.inf
+                for e in range(g * group_size, (g + 1) * group_size):
+                    if c[e] > b1:
+                        b2 = b1
+                        b1 = c[e]
+                    elif c[e] > b2:
+                        b2 = c[e]
+                group_score[g] = b1 + b2 if group_size > 1 else b1
+                group_kept[g] = False
+            for _ in range(topk_group):
+                best = -1
+                for g in range(n_group):
+                    if not group_kept[g] and (best < 0 or group_score[g] > group_score[best]):
+                        best = g
+                group_kept[best] = True
+            for e in range(E):
+                allowed[e] = group_kept[e // group_size]
+        else:
+            allowed[:] = True
+        total = np.float32(0.0)
+        for i in range(top_k):
+            best = -1
+            for e in range(E):
+                # Strict '>' keeps the lowest index among equal values.
+                if allowed[e] and (best < 0 or c[e] > c[best]):
+                    best = e
+            allowed[best] = False
+            ids[t, i] = best
+            w = c[best] if biased else s[best]
+            weights[t, i] = w
+            total += w
+        if renormalize:
+            denom = total + np.float32(1e-20)
+            for i in range(top_k):
+                weights[t, i] = weights[t, i] / denom
+        for i in range(top_k):
+            weights[t, i] = weights[t, i] * scaling
+
+
+@kernel
+def _silu_mul(gate, up, out):
+    T, n = gate.shape
+    one = np.float32(1.0)
+    for t in range(T):
+        for i in range(n):
+            g = gate[t, i]
+            out[t, i] = g / (one + np.exp(-g)) * up[t, i]
+
+
+def router_logits(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x [T, hidden] @ weight [E, hidden]^T in float32 -> logits [T, E]."""
+    return np.ascontiguousarray(np.asarray(x, np.float32) @ np.asarray(weight, np.float32).T)
+
+
+def route(
+    logits: np.ndarray,
+    bias: np.ndarray,
+    *,
+    top_k: int,
+    num_groups: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    router_weights: str = "unbiased",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Choose experts from router logits [T, E] -> (ids [T, k] int64 in rank order, weights [T, k] float32)."""
+    logits = np.ascontiguousarray(logits, np.float32)
+    bias = np.ascontiguousarray(bias, np.float32)
+    if logits.ndim != 2:
+        raise WasteError(f"router logits must be [T, E], got shape {logits.shape}")
+    T, E = logits.shape
+    if bias.shape != (E,):
+        raise WasteError(f"e_score_correction_bias must have {E} values, got shape {bias.shape}")
+    if router_weights not in ROUTER_WEIGHTS:
+        raise WasteError(f"router_weights must be one of {', '.join(ROUTER_WEIGHTS)}, got {router_weights!r}")
+    if num_groups < 1 or E % num_groups or not 1 <= topk_group <= num_groups:
+        raise WasteError(f"{E} experts cannot form {num_groups} groups keeping {topk_group}")
+    if not 1 <= top_k <= E // num_groups * topk_group:
+        raise WasteError(f"top_k {top_k} must lie in 1..{E // num_groups * topk_group} (experts in the kept groups)")
+    ids = np.empty((T, top_k), np.int64)
+    weights = np.empty((T, top_k), np.float32)
+    _route(logits, bias, top_k, num_groups, topk_group, renormalize, np.float32(scaling),
+           router_weights == "biased", ids, weights)
+    return ids, weights
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """SiLU(gate) * up elementwise, float32 [T, I]."""
+    gate = np.ascontiguousarray(gate, np.float32)
+    up = np.ascontiguousarray(up, np.float32)
+    if gate.shape != up.shape or gate.ndim != 2:
+        raise WasteError(f"SwiGLU gate and up must be equal [T, I] arrays, got {gate.shape} and {up.shape}")
+    out = np.empty_like(gate)
+    _silu_mul(gate, up, out)
+    return out
+
+
+def swiglu(x: np.ndarray, w_gate: QMatrix, w_up: QMatrix, w_down: QMatrix) -> np.ndarray:
+    """down(SiLU(gate x) * up x): x [T, in] -> [T, out], each projection one matmul over the rows."""
+    x = np.ascontiguousarray(x, np.float32)
+    return w_down.matmul(silu_mul(w_gate.matmul(x), w_up.matmul(x)))

@@ -1,0 +1,173 @@
+"""Float64 whole-model oracle: the forward pass over a whole sequence, no cache, plain loops.
+
+It reads the same container as the engine (weights dequantised to float64) and shares nothing
+with the engine or the kernels: only the config, the container reader's interface and the
+float64 helpers in `waste.reference`. Block structure (FACTS.md):
+
+    h = embed(ids)
+    per layer l: h += attn(RMSNorm(h)); h += ffn(RMSNorm(h))     -> hidden_states[l + 1]
+    logits = lm_head(RMSNorm(h))
+
+attn is KDA (`waste.reference.kda`) or MLA (`waste.reference.mla`); ffn is the dense SwiGLU
+for l < first_k_dense_replace, else the routed MoE (`waste.reference.moe`) with the router
+computed in float64 too (a float32 engine can only differ on near-ties of the top-k).
+
+The container offers `.config`, `.tensor(name)` (float32 arrays), `.matrix(name)` (QMatrix),
+`.expert(layer, e) -> (w1, w3, w2)` QMatrix and `.has(name)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from waste.errors import WasteError
+from waste.reference.kda import naive_kda_layer
+from waste.reference.mla import naive_mla_layer, rms_norm
+from waste.reference.moe import moe_ffn, swiglu
+
+ROUTER_WEIGHTS = ("unbiased", "biased")
+LM_HEAD_BLOCK = 8192  # vocabulary rows cast to float64 at a time
+
+
+@dataclass
+class ReferenceOutput:
+    """logits [T, vocab]; hidden_states: L + 1 arrays [T, hidden] (embedding, then each layer's output,
+    before the final norm); routing: MoE layer index -> expert ids [T, k] in rank order."""
+
+    logits: np.ndarray
+    hidden_states: list[np.ndarray]
+    routing: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class ReferenceModel:
+    """The float64 forward over an open container."""
+
+    def __init__(self, container: Any, *, router_weights: str = "unbiased", cache_bytes: int = 1 << 30):
+        if router_weights not in ROUTER_WEIGHTS:
+            raise WasteError(f"router_weights must be one of {', '.join(ROUTER_WEIGHTS)}, got {router_weights!r}")
+        cfg = container.config
+        if cfg.hidden_act != "silu" or cfg.routed_expert_hidden_size is not None:
+            raise WasteError("the reference model runs SwiGLU experts over the hidden width only "
+                             "(no situ activation, no latent MoE)")
+        self.container = container
+        self.config = cfg
+        self.router_weights = router_weights
+        # Dequantised float64 weights are kept while they fit this budget, so repeated forwards
+        # on a tiny model do not dequantise again; past it they are rebuilt on every use.
+        self.cache_bytes = cache_bytes
+        self._cache: dict[Any, Any] = {}
+        self._cached = 0
+
+    def _keep(self, key: Any, value: Any, nbytes: int) -> Any:
+        if self._cached + nbytes <= self.cache_bytes:
+            self._cache[key] = value
+            self._cached += nbytes
+        return value
+
+    def matrix(self, name: str) -> np.ndarray:
+        """A weight matrix dequantised to float64."""
+        if name not in self._cache:
+            w = self.container.matrix(name).dequantize().astype(np.float64)
+            return self._keep(name, w, w.nbytes)
+        return self._cache[name]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A float32 container array as float64."""
+        if name not in self._cache:
+            t = np.asarray(self.container.tensor(name), np.float64)
+            return self._keep(name, t, t.nbytes)
+        return self._cache[name]
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Routed expert e of a layer as float64 (w1 gate, w3 up, w2 down)."""
+        key = ("expert", layer, e)
+        if key not in self._cache:
+            w = tuple(m.dequantize().astype(np.float64) for m in self.container.expert(layer, e))
+            return self._keep(key, w, sum(a.nbytes for a in w))
+        return self._cache[key]
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        m = self.container.matrix("model.embed_tokens.weight")
+        # Only the rows in use: the full float64 table of a real vocabulary would not fit.
+        rows = m.take_rows(ids) if hasattr(m, "take_rows") else m.dequantize()[ids]
+        return np.asarray(rows, np.float64)
+
+    def _lm_head(self, x: np.ndarray) -> np.ndarray:
+        name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        w = self.container.matrix(name).dequantize()  # [vocab, hidden] float32
+        logits = np.empty((x.shape[0], w.shape[0]))
+        for r in range(0, w.shape[0], LM_HEAD_BLOCK):
+            logits[:, r : r + LM_HEAD_BLOCK] = x @ w[r : r + LM_HEAD_BLOCK].astype(np.float64).T
+        return logits
+
+    def mla(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """MLA layer `layer` on x [T, hidden] (after input_layernorm) -> [T, hidden]."""
+        cfg = self.config
+        p = f"model.layers.{layer}.self_attn."
+        names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+        names += ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+        names += ["g_proj"] if cfg.mla_output_gate else []
+        w = {n: self.matrix(f"{p}{n}.weight") for n in names}
+        w["kv_a_layernorm"] = self.tensor(p + "kv_a_layernorm.weight")
+        if cfg.q_lora_rank is not None:
+            w["q_a_layernorm"] = self.tensor(p + "q_a_layernorm.weight")
+        return naive_mla_layer(x, w, cfg)
+
+    def kda(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """KDA layer `layer` on x [T, hidden] (after input_layernorm) -> [T, hidden]."""
+        cfg = self.config
+        p = f"model.layers.{layer}.self_attn."
+        names = ["q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "o_proj"]
+        names += ["g_proj"] if cfg.kda_full_rank_gate else ["g_a_proj", "g_b_proj"]
+        w = {f"{n}.weight": self.matrix(f"{p}{n}.weight") for n in names}
+        for n in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight", "A_log", "dt_bias"):
+            w[n] = self.tensor(p + n)
+        return naive_kda_layer(x, w, cfg)[0]
+
+    def ffn(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """FFN of `layer` on x [T, hidden] (after post_attention_layernorm) -> (y, routed ids or None)."""
+        cfg = self.config
+        if layer < cfg.first_k_dense_replace:
+            p = f"model.layers.{layer}.mlp."
+            return swiglu(x, *(self.matrix(f"{p}{n}_proj.weight") for n in ("gate", "up", "down"))), None
+        p = f"model.layers.{layer}.block_sparse_moe."
+        shared = None
+        if cfg.num_shared_experts:
+            shared = tuple(self.matrix(f"{p}shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
+        y, ids, _ = moe_ffn(
+            x, self.tensor(p + "gate.weight"), self.tensor(p + "gate.e_score_correction_bias"),
+            lambda e: self.expert(layer, e), shared,
+            top_k=cfg.num_experts_per_token, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
+            renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor, router_weights=self.router_weights,
+        )
+        return y, ids
+
+    def forward(self, ids: Sequence[int]) -> ReferenceOutput:
+        """Token ids [T] -> logits [T, vocab] float64 and every layer's hidden state."""
+        cfg = self.config
+        a = np.asarray(ids, np.int64).reshape(-1)
+        if a.size == 0:
+            raise WasteError("the reference model needs at least one token id")
+        bad = a[(a < 0) | (a >= cfg.vocab_size)]
+        if bad.size:
+            raise WasteError(f"token id {int(bad[0])} is outside the vocabulary 0..{cfg.vocab_size - 1}")
+        h = self._embed(a)
+        hidden = [h]
+        routing = {}
+        eps = cfg.rms_norm_eps
+        for layer, kind in enumerate(cfg.layer_kinds):
+            p = f"model.layers.{layer}."
+            x = rms_norm(h, self.tensor(p + "input_layernorm.weight"), eps)
+            h = h + (self.mla(layer, x) if kind == "mla" else self.kda(layer, x))
+            x = rms_norm(h, self.tensor(p + "post_attention_layernorm.weight"), eps)
+            y, routed = self.ffn(layer, x)
+            if routed is not None:
+                routing[layer] = routed
+            h = h + y
+            hidden.append(h)
+        logits = self._lm_head(rms_norm(h, self.tensor("model.norm.weight"), eps))
+        return ReferenceOutput(logits, hidden, routing)
