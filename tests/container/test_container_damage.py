@@ -1,0 +1,240 @@
+"""Damaged containers and checkpoints: each fails with its own clear message and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from waste.cli import main
+from waste.container import ContainerError, open_container
+from waste.container.convert import convert
+from waste.errors import WasteError
+from waste.synth import synthesize
+from waste.testing import tiny_container
+
+NAME = "model.layers.1.self_attn.kv_b_proj.weight"
+
+
+@pytest.fixture
+def container(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
+    """A fresh copy of the tiny f32 container that the test may damage."""
+    src = tiny_container(tmp_path_factory)
+    dst = tmp_path / "damaged.waste"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_sound_container_verifies(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["verify", str(container)])
+    assert code == 0 and "OK" in capsys.readouterr().out
+    assert main(["info", str(container), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["scheme"] == "f32" and info["trunk_bytes"] == (container / "trunk.bin").stat().st_size
+    assert main(["info", str(container)]) == 0
+    text = capsys.readouterr().out
+    assert "scheme f32" in text and "kimi_linear" in text and info["manifest_sha256"] in text
+
+
+def test_closed_container(container: Path) -> None:
+    c = open_container(container)
+    view = c.tensor("model.norm.weight")
+    c.close()
+    assert view.shape == (64,) and np.isfinite(view).all()  # views taken before close stay valid
+    with pytest.raises(ContainerError, match="closed"):
+        c.tensor("model.norm.weight")
+
+
+@pytest.mark.parametrize("fname", ["trunk.bin", "experts.bin", "manifest.json"])
+def test_truncated_file(container: Path, capsys: pytest.CaptureFixture[str], fname: str) -> None:
+    path = container / fname
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+    code, err = run_cli(capsys, "verify", str(container))
+    assert code == 2
+    assert str(path) in err
+    if fname == "manifest.json":
+        assert "not valid JSON" in err
+    else:
+        assert f"truncated to {len(data) * 2 // 3} of {len(data)} bytes" in err
+        assert ("tensor 'model." if fname == "trunk.bin" else "expert ") in err
+
+
+def test_missing_file(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (container / "experts.bin").unlink()
+    code, err = run_cli(capsys, "info", str(container))
+    assert code == 2 and "experts.bin: missing" in err
+
+
+def test_flipped_byte_in_a_tensor(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with open_container(container) as c:
+        e = c.entry(NAME)
+    path = container / "trunk.bin"
+    data = bytearray(path.read_bytes())
+    data[e.offset + 100] ^= 0x10
+    path.write_bytes(bytes(data))
+    open_container(container).close()  # bounds are fine: opening succeeds, only the CRC can tell
+    code, err = run_cli(capsys, "verify", str(container))
+    assert code == 2
+    assert f"trunk.bin: CRC mismatch in tensor {NAME!r}" in err
+
+
+def test_flipped_byte_in_an_expert(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with open_container(container) as c:
+        layer = c.config.moe_layers[1]
+        offset, nbytes = c.expert_span(layer, 6)
+        w2_offset = c.manifest["experts"]["parts"][2]["offset"]
+    path = container / "experts.bin"
+    data = bytearray(path.read_bytes())
+    data[offset + w2_offset + 8] ^= 0x01
+    path.write_bytes(bytes(data))
+    code, err = run_cli(capsys, "verify", str(container))
+    assert code == 2
+    assert f"experts.bin: CRC mismatch in model.layers.{layer}.block_sparse_moe.experts.6.w2.weight" in err
+
+
+def test_flipped_byte_in_padding(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with open_container(container) as c:
+        gaps = [(c.entry(a).offset + c.entry(a).nbytes, c.entry(b).offset, b)
+                for a, b in zip(c.names(), c.names()[1:], strict=False)]
+    start, end, after = next(g for g in gaps if g[1] > g[0])
+    path = container / "trunk.bin"
+    data = bytearray(path.read_bytes())
+    data[start] = 0xFF
+    path.write_bytes(bytes(data))
+    code, err = run_cli(capsys, "verify", str(container))
+    assert code == 2 and f"nonzero padding in bytes {start}..{end} before tensor {after!r}" in err
+
+
+def test_verify_collects_every_problem(container: Path) -> None:
+    with open_container(container) as c:
+        offsets = [c.entry(n).offset for n in c.names()[:3]]
+    path = container / "trunk.bin"
+    data = bytearray(path.read_bytes())
+    for off in offsets:
+        data[off] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with open_container(container) as c:
+        assert len(c.verify(collect=True)) == 3
+        with pytest.raises(ContainerError, match="CRC mismatch"):
+            c.verify()
+
+
+def _edit_manifest(container: Path, edit) -> None:
+    path = container / "manifest.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(format_version=2), "unknown format version 2 (this reader knows 1)"),
+        (lambda d: d.update(magic="SAFETENSORS"), "not a WASTE container"),
+        (lambda d: d.update(scheme="q3"), "unknown quantisation scheme 'q3'"),
+        (lambda d: d["tensors"][5].update(offset=10**9), "past the end of trunk.bin"),
+        (lambda d: d["tensors"][5].update(offset=d["tensors"][5]["offset"] + 8), "is not 64-byte aligned"),
+        (lambda d: d["tensors"][5].update(offset=d["tensors"][4]["offset"]), "overlap in trunk.bin"),
+        (lambda d: d["tensors"].pop(7), "tensor(s) missing"),
+        (lambda d: d["tensors"][3].update(shape=[7, 7]), "has shape [7, 7]"),
+        (lambda d: d["tensors"][3].update(storage="q4g"), "is stored as matrix q4g"),
+        (lambda d: d["files"]["trunk.bin"].update(bytes=1), "past the end of trunk.bin (1 bytes)"),
+        (lambda d: d["experts"].update(blob_bytes=4096), "experts.blob_bytes"),
+        (lambda d: d["experts"]["crc32"].pop(), "experts.crc32"),
+        (lambda d: d["config"].update(num_hidden_layers=-1), "config: config key 'num_hidden_layers'"),
+    ],
+)
+def test_bad_manifest(container: Path, capsys: pytest.CaptureFixture[str], edit, message: str) -> None:
+    _edit_manifest(container, edit)
+    code, err = run_cli(capsys, "info", str(container))
+    assert code == 2
+    assert message in err and "manifest.json" in err
+    assert "\n" not in err and "Traceback" not in err
+
+
+def test_not_a_container(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(capsys, "verify", str(tmp_path / "nothing.waste"))
+    assert code == 2 and "not a container directory" in err
+    code, err = run_cli(capsys, "verify", str(tmp_path))
+    assert code == 2 and "manifest.json: missing" in err
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A tiny f32 checkpoint rewritten as one model.safetensors that tests may edit."""
+    return synthesize("tiny", tmp_path / "hf", dtype="f32")
+
+
+def _rewrite(hf: Path, edit) -> None:
+    from safetensors.numpy import load_file
+
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    shard = hf / sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard))
+    index["weight_map"] = {n: shard.name for n in tensors}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop(NAME), f"missing 1 tensor(s): {NAME}"),
+        (lambda t: t.pop("model.layers.2.block_sparse_moe.experts.3.w3.weight"),
+         "missing 1 tensor(s): model.layers.2.block_sparse_moe.experts.3.w3.weight"),
+        (lambda t: t.update({NAME: np.zeros((5, 32), np.float32)}), f"misshapen 1 tensor(s): {NAME} [5, 32]"),
+        (lambda t: t.update({"model.layers.9.extra.weight": np.zeros(3, np.float32)}),
+         "unexpected 1 tensor(s): model.layers.9.extra.weight"),
+        (lambda t: t.update({"model.layers.0.block_sparse_moe.up_proj.weight":
+                             t["model.layers.0.mlp.up_proj.weight"]}),
+         "'model.layers.0.mlp.up_proj.weight' appears twice"),
+        (lambda t: t["model.norm.weight"].__setitem__(3, np.nan), "'model.norm.weight' holds NaN"),
+        (lambda t: t.update({"model.layers.0.self_attn.A_log": np.ones(16, np.float32)}),
+         "is not zero past the 4 heads"),
+    ],
+)
+def test_bad_checkpoint(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit,
+                        message: str) -> None:
+    _rewrite(checkpoint, edit)
+    out = tmp_path / "out.waste"
+    code, err = run_cli(capsys, "convert", str(checkpoint), str(out), "--quant", "f32", "--quiet")
+    assert code == 2 and message in err, err
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.waste.tmp-*")), "the temporary directory must be removed"
+
+
+def test_truncated_shard(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shard = next(checkpoint.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    code, err = run_cli(capsys, "convert", str(checkpoint), str(tmp_path / "o.waste"), "--quiet")
+    assert code == 2 and f"{shard}: truncated: tensor" in err
+
+
+def test_refuses_to_overwrite_without_force(checkpoint: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = convert(checkpoint, tmp_path / "o.waste", quant="f32", progress=False)
+    before = (out / "manifest.json").read_bytes()
+    code, err = run_cli(capsys, "convert", str(checkpoint), str(out), "--quant", "f32", "--quiet")
+    assert code == 2 and "exists; pass --force" in err
+    code, _ = run_cli(capsys, "convert", str(checkpoint), str(out), "--quant", "f32", "--quiet", "--force")
+    assert code == 0 and (out / "manifest.json").read_bytes() == before
+    code, err = run_cli(capsys, "synth", "tiny", str(checkpoint))
+    assert code == 2 and "exists; pass --force" in err
+
+
+def test_k3_is_for_planning_only(tmp_path: Path) -> None:
+    with pytest.raises(WasteError, match="not supported yet: latent MoE"):
+        synthesize("k3", tmp_path / "k3")
+    assert not (tmp_path / "k3").exists()

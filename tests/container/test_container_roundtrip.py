@@ -1,0 +1,151 @@
+"""Synthesise -> convert -> read back: exact for f32, within the formats' error for q8 / q4."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from waste.config import parse_config
+from waste.container import open_container
+from waste.container.convert import convert
+from waste.container.format import (
+    BLOB_ALIGN,
+    EXPERT_PARTS,
+    TRUNK_ALIGN,
+    expected_tensors,
+    expert_name,
+    is_matrix,
+)
+from waste.synth import synthesize
+from waste.testing import load_checkpoint, tiny_checkpoint, tiny_config, tiny_container
+
+VARIANTS = {
+    "plain": {},
+    "lower_bound_gate": {"linear_attn_config": {"gate_lower_bound": -5.0}},
+    "full_rank_gate": {"linear_attn_config": {"use_full_rank_gate": True}},
+    "q_lora": {"q_lora_rank": 16},
+    "mla_output_gate": {"mla_use_output_gate": True},
+    "expert_groups": {"num_expert_group": 4, "topk_group": 2},
+    "tied_no_shared": {"tie_word_embeddings": True, "num_shared_experts": 0},
+    "all_dense": {"first_k_dense_replace": 5},
+}
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def assert_exact(container: Path, source: dict[str, np.ndarray]) -> None:
+    with open_container(container) as c:
+        cfg = c.config
+        assert c.scheme == "f32"
+        assert set(c.names()) == set(expected_tensors(cfg))
+        for name in c.names():
+            ref = source[name]
+            got = c.matrix(name).dequantize() if is_matrix(name, ref.shape) else c.tensor(name)
+            assert got.shape == ref.shape, name
+            assert np.array_equal(bits(got), bits(ref)), name
+        for layer in cfg.moe_layers:
+            for e in range(cfg.num_experts):
+                for part, m in zip(EXPERT_PARTS, c.expert(layer, e), strict=True):
+                    assert np.array_equal(bits(m.dequantize()), bits(source[expert_name(layer, e, part)]))
+        n_experts = sum(1 for n in source if ".experts." in n)
+        assert len(c.names()) + n_experts == len(source)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_f32_round_trip_is_bit_exact(tmp_path: Path, dtype: str) -> None:
+    hf = synthesize("tiny", tmp_path / "hf", seed=3, dtype=dtype, shard_bytes=300_000)
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "sharding must be exercised"
+    out = convert(hf, tmp_path / "tiny.waste", quant="f32", progress=False)
+    assert_exact(out, load_checkpoint(hf))
+    with open_container(out) as c:
+        c.verify()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_variants_round_trip(tmp_path_factory: pytest.TempPathFactory, variant: str) -> None:
+    out = tiny_container(tmp_path_factory, quant="f32", dtype="bf16", overrides=VARIANTS[variant])
+    assert_exact(out, load_checkpoint(tiny_checkpoint(out)))
+    with open_container(out) as c:
+        assert c.config == parse_config(tiny_config(**VARIANTS[variant]))
+
+
+def test_layout_alignment_and_zero_copy(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tiny_container(tmp_path_factory)
+    with open_container(out) as c:
+        for name in c.names():
+            e = c.entry(name)
+            assert e.offset % TRUNK_ALIGN == 0
+            for b in e.buffers:
+                assert (e.offset + b.offset) % TRUNK_ALIGN == 0
+        t = c.tensor("model.norm.weight")
+        assert not t.flags.writeable and t.dtype == np.float32
+        layer = c.config.moe_layers[-1]
+        offset, nbytes = c.expert_span(layer, 5)
+        assert offset % BLOB_ALIGN == 0 and nbytes % BLOB_ALIGN == 0
+        assert nbytes == c.byte_counts()["expert_blob_bytes"]
+        fd = os.open(c.experts_path, os.O_RDONLY)
+        try:
+            buf = np.frombuffer(os.pread(fd, nbytes, offset), np.uint8)
+        finally:
+            os.close(fd)
+        for a, b in zip(c.decode_expert(layer, buf), c.expert(layer, 5), strict=True):
+            assert a.shape == b.shape and np.array_equal(a.dequantize(), b.dequantize())
+        w1 = c.expert(layer, 5)[0].buffers["w"]
+        assert not w1.flags.writeable and w1.base is not None  # a view over the map, not a copy
+
+
+def test_byte_counts_cover_the_trunk(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tiny_container(tmp_path_factory)
+    with open_container(out) as c:
+        counts = c.byte_counts()
+        cfg = c.config
+        assert counts["trunk_bytes"] == (out / "trunk.bin").stat().st_size
+        assert counts["expert_bytes"] == (out / "experts.bin").stat().st_size
+        assert counts["expert_bytes"] == len(cfg.moe_layers) * cfg.num_experts * counts["expert_blob_bytes"]
+        assert sum(counts["per_class"].values()) == sum(c.entry(n).data_bytes for n in c.names())
+        assert set(counts["per_class"]) == {"embedding", "lm_head", "kda", "mla", "dense_ffn", "shared_experts",
+                                            "router", "norms"}
+        assert counts["per_class"]["router"] == sum(
+            4 * (cfg.num_experts * cfg.hidden_size + cfg.num_experts) for _ in cfg.moe_layers)
+
+
+def test_conversion_is_deterministic_and_independent_of_sharding(tmp_path: Path) -> None:
+    a = convert(synthesize("tiny", tmp_path / "a", seed=1, dtype="bf16"), tmp_path / "a.waste", quant="f32",
+                progress=False)
+    b = convert(synthesize("tiny", tmp_path / "b", seed=1, dtype="bf16", shard_bytes=100_000),
+                tmp_path / "b.waste", quant="f32", progress=False)
+    for f in ("trunk.bin", "experts.bin"):
+        assert (a / f).read_bytes() == (b / f).read_bytes()
+    with open_container(a) as ca, open_container(b) as cb:
+        assert ca.manifest["tensors"] == cb.manifest["tensors"]
+
+
+def test_dense_ffn_spelling_and_a_log_padding_are_accepted(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    hf = synthesize("tiny", tmp_path / "hf", dtype="f32")
+    source = load_checkpoint(hf)
+    renamed = {}
+    for name, value in source.items():
+        if name.startswith("model.layers.0.mlp."):
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith(".self_attn.A_log"):
+            value = np.concatenate([value.reshape(-1), np.zeros(12, np.float32)])  # [K] zero-padded past H=4
+        renamed[name] = value
+    (hf / "model.safetensors.index.json").unlink()
+    for f in hf.glob("*.safetensors"):
+        f.unlink()
+    save_file(renamed, str(hf / "model.safetensors"))
+    out = convert(hf, tmp_path / "x.waste", quant="f32", progress=False)
+    with open_container(out) as c:
+        assert np.array_equal(c.matrix("model.layers.0.mlp.up_proj.weight").dequantize(),
+                              source["model.layers.0.mlp.up_proj.weight"])
+        a_log = c.tensor("model.layers.0.self_attn.A_log")
+        assert a_log.shape == (16,) and np.array_equal(a_log[:4], source["model.layers.0.self_attn.A_log"].ravel())

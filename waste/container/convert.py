@@ -1,0 +1,222 @@
+"""`waste convert`: a Hugging Face checkpoint (config.json + safetensors shards) to NAME.waste.
+
+The safetensors headers are read first (they are small), and the tensor set is checked
+against `expected_tensors(cfg)` before any data is touched: missing, unexpected and
+misshapen tensors are all named. Data is then streamed shard by shard, one tensor at a
+time, read with plain file reads (not a memory map, so resident memory stays bounded by
+the largest tensor rather than growing with the shard) and decoded through ml_dtypes for
+bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from waste.config import ModelConfig, load_config_file
+from waste.container.format import (
+    EXPERT_PARTS,
+    SCHEMES,
+    Shape,
+    a_log_shapes_accepted,
+    canonical_name,
+    check_supported,
+    expected_expert_tensors,
+    expected_tensors,
+    expert_name,
+    parse_expert_name,
+)
+from waste.container.writer import ContainerWriter
+from waste.errors import WasteError
+from waste.units import human_bytes
+
+INDEX = "model.safetensors.index.json"
+_ST_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
+_MAX_HEADER = 256 << 20
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of a safetensors file: where its bytes are."""
+
+    name: str  # as spelled in the checkpoint
+    path: Path
+    dtype: str  # safetensors dtype: BF16, F16, F32
+    shape: Shape
+    start: int  # absolute offset in the file
+    nbytes: int
+
+
+def read_header(path: Path) -> list[SourceTensor]:
+    """The tensors a safetensors file declares, checked against the file's size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WasteError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER, size - 8):
+                raise WasteError(f"{path}: header of {n} bytes runs past the end of the file ({size} bytes)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise WasteError(f"{path}: no such file") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WasteError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise WasteError(f"{path}: safetensors header is not a JSON object")
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = all(isinstance(v, int) and v >= 0 for v in (*shape, lo, hi))
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise WasteError(f"{path}: tensor {name!r} has a malformed header entry")
+        if dtype not in _ST_DTYPES:
+            raise WasteError(f"{path}: tensor {name!r} has dtype {dtype}; expected one of {', '.join(_ST_DTYPES)}")
+        if hi - lo != math.prod(shape) * _ST_DTYPES[dtype].itemsize:
+            raise WasteError(f"{path}: tensor {name!r}: {hi - lo} bytes do not hold {dtype} {list(shape)}")
+        if 8 + n + hi > size:
+            raise WasteError(f"{path}: truncated: tensor {name!r} ends at byte {8 + n + hi}, the file has {size}")
+        out.append(SourceTensor(name, path, dtype, shape, 8 + n + lo, hi - lo))
+    return out
+
+
+def checkpoint_files(hf_dir: Path) -> list[Path]:
+    """The shards of a checkpoint: from the index json, else model.safetensors, else *.safetensors."""
+    index = hf_dir / INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WasteError(f"{index}: not a safetensors index ({e})") from None
+        for f in files:
+            if not isinstance(f, str) or not (hf_dir / f).is_file():
+                raise WasteError(f"{index}: names shard {f!r}, which is missing")
+        return [hf_dir / f for f in files]
+    single = hf_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise WasteError(f"{hf_dir}: no safetensors files")
+    return files
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def inventory(hf_dir: Path, cfg: ModelConfig) -> dict[str, SourceTensor]:
+    """Canonical name -> source tensor, checked against the config's expected tensors and shapes."""
+    found: dict[str, SourceTensor] = {}
+    for path in checkpoint_files(hf_dir):
+        for t in read_header(path):
+            name = canonical_name(t.name, cfg)
+            if name in found:
+                raise WasteError(f"{hf_dir}: tensor {name!r} appears twice ({found[name].path.name}, {path.name})")
+            found[name] = t
+    accepted: dict[str, tuple[Shape, ...]] = {n: (s,) for n, s in expected_tensors(cfg).items()}
+    for n in [n for n in accepted if n.endswith(".self_attn.A_log")]:
+        accepted[n] = a_log_shapes_accepted(cfg)
+    parts = expected_expert_tensors(cfg)
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            for part in EXPERT_PARTS:
+                accepted[expert_name(layer, e, part)] = (parts[part],)
+    missing = [n for n in accepted if n not in found]
+    unexpected = [n for n in found if n not in accepted]
+    misshapen = [f"{n} {list(t.shape)} (expected {list(accepted[n][0])})" for n, t in found.items()
+                 if n in accepted and t.shape not in accepted[n]]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensor(s): {_names(unexpected)}")
+    if misshapen:
+        problems.append(f"misshapen {len(misshapen)} tensor(s): {_names(misshapen)}")
+    if problems:
+        raise WasteError(f"checkpoint {hf_dir} does not match its config.json: " + "; ".join(problems))
+    return found
+
+
+def read_tensor(f: object, t: SourceTensor) -> np.ndarray:
+    """The tensor's values as float32 in its checkpoint shape (bfloat16 and float16 widen exactly)."""
+    buf = np.empty(t.nbytes, np.uint8)
+    f.seek(t.start)  # type: ignore[attr-defined]
+    if f.readinto(buf) != t.nbytes:  # type: ignore[attr-defined]
+        raise WasteError(f"{t.path}: truncated while reading tensor {t.name!r}")
+    values = buf.view(_ST_DTYPES[t.dtype]).reshape(t.shape).astype(np.float32, copy=False)
+    if not np.isfinite(values).all():
+        raise WasteError(f"{t.path}: tensor {t.name!r} holds NaN or infinite values")
+    return values
+
+
+def _check_a_log(name: str, values: np.ndarray, cfg: ModelConfig, path: Path) -> None:
+    if values.ndim == 1 and np.any(values[cfg.kda_num_heads:]):
+        raise WasteError(f"{path}: tensor {name!r} [{values.size}] is not zero past the {cfg.kda_num_heads} heads")
+
+
+def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", force: bool = False,
+            progress: bool = True) -> Path:
+    """Convert a checkpoint directory into a container at `out`; the container's path."""
+    from tqdm import tqdm
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    if quant not in SCHEMES:
+        raise WasteError(f"unknown quantisation scheme {quant!r}; expected one of {', '.join(SCHEMES)}")
+    if out.exists() and not force:
+        raise WasteError(f"{out} exists; pass --force to replace it")
+    cfg = load_config_file(hf_dir / "config.json")
+    check_supported(cfg)
+    found = inventory(hf_dir, cfg)
+    trunk = {n: found[n].shape for n in expected_tensors(cfg)}
+    by_file: dict[Path, list[tuple[str, SourceTensor]]] = {}
+    for name, t in found.items():
+        by_file.setdefault(t.path, []).append((name, t))
+    source = {"dtypes": sorted({t.dtype for t in found.values()}), "shards": len(by_file)}
+    total = sum(t.nbytes for t in found.values())
+    with ContainerWriter(out, cfg, quant, trunk, force=force, extra={"source": source}) as w, \
+            tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {quant}", file=sys.stderr,
+                 disable=not progress, leave=False) as bar:
+        for path, items in by_file.items():
+            with open(path, "rb") as f:
+                for name, t in sorted(items, key=lambda it: it[1].start):
+                    values = read_tensor(f, t)
+                    expert = parse_expert_name(name)
+                    if expert is not None:
+                        w.write_expert(expert[0], expert[1], expert[2], values)
+                    else:
+                        if name.endswith(".self_attn.A_log"):
+                            _check_a_log(name, values, cfg, path)
+                        w.write_tensor(name, values)
+                    del values
+                    bar.update(t.nbytes)
+        return w.finish()
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """`waste convert HF_DIR OUT.waste --quant f32|q8|q4 [--force] [--quiet]`."""
+    from waste.container.reader import open_container
+
+    out = convert(args.hf_dir, args.out, quant=args.quant, force=args.force, progress=not args.quiet)
+    with open_container(out) as c:
+        counts = c.byte_counts()
+    print(f"{out}: scheme {args.quant}, trunk {human_bytes(counts['trunk_bytes'])}, experts "
+          f"{human_bytes(counts['expert_bytes'])} ({counts['expert_layers']} x {counts['num_experts']} blobs of "
+          f"{human_bytes(counts['expert_blob_bytes'])})")
+    return 0

@@ -1,0 +1,532 @@
+"""The WASTE container format: constants, the expected tensor table, layouts, manifest checks.
+
+A container is a directory `NAME.waste/` holding `manifest.json`, `trunk.bin` (every tensor
+except the routed experts, each aligned to 64 bytes) and `experts.bin` (one blob per
+(MoE layer, expert) holding w1, w3, w2, each blob aligned to 4096 bytes). docs/CONTAINER.md
+is the specification; this module is the one place its rules are written as code:
+
+- `expected_tensors(cfg)` / `expected_expert_tensors(cfg)`: the names and shapes a model of
+  this config has (synth writes them, convert checks them, the reader insists on them);
+- `storage_of(name, shape, scheme)`: how a tensor is stored under a quantisation scheme;
+- `span_layout(...)`: where each buffer of a stored tensor sits inside its span;
+- `parse_manifest(data)`: the checked reading of `manifest.json`, which raises nothing but
+  `ContainerError` whatever bytes it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from waste.config import ModelConfig, parse_config
+from waste.errors import WasteError
+from waste.kernels.quant import GROUP, buffer_layout
+
+MAGIC = "WASTE-CONTAINER"
+FORMAT_VERSION = 1
+SCHEMES = ("f32", "q8", "q4")
+MANIFEST = "manifest.json"
+TRUNK = "trunk.bin"
+EXPERTS = "experts.bin"
+TRUNK_ALIGN = 64  # every tensor and every buffer starts on a cache line
+BLOB_ALIGN = 4096  # one expert blob = one aligned pread, O_DIRECT-ready
+EXPERT_PARTS = ("w1", "w3", "w2")  # gate, up, down: the order inside a blob
+ROUTER_SUFFIX = "block_sparse_moe.gate.weight"
+# Group length along K of the grouped formats (docs/QUANT.md), recorded in the tensor table.
+GROUP_SIZE = {"f32": None, "q8g": GROUP, "q4g": GROUP}
+_MAX_INT = 1 << 62
+_MAX_LAYERS = 100_000
+
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_DENSE_ALT_RE = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class ContainerError(WasteError):
+    """A container that is missing, damaged, of an unknown version or inconsistent."""
+
+
+Shape = tuple[int, ...]
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """Raise WasteError for configs synth/convert cannot handle yet (K3's latent MoE, SiTU)."""
+    if cfg.routed_expert_hidden_size is not None:
+        raise WasteError(
+            f"not supported yet: latent MoE (routed_expert_hidden_size {cfg.routed_expert_hidden_size}); "
+            "this config is for planning only"
+        )
+    if cfg.hidden_act != "silu":
+        raise WasteError(f"not supported yet: hidden_act {cfg.hidden_act!r}; this config is for planning only")
+
+
+def a_log_shape(cfg: ModelConfig) -> Shape:
+    """Shape synth writes for A_log: [1, 1, H, 1] (Kimi-Linear) or [K] zero-padded past H (K3)."""
+    h, k = cfg.kda_num_heads, cfg.kda_head_dim
+    if cfg.kda_gate == "lower_bound":
+        return (max(h, k),)
+    return (1, 1, h, 1)
+
+
+def a_log_shapes_accepted(cfg: ModelConfig) -> tuple[Shape, ...]:
+    """Both spellings of A_log convert accepts: [1, 1, H, 1] and [max(H, K)] zero-padded."""
+    h, k = cfg.kda_num_heads, cfg.kda_head_dim
+    return ((1, 1, h, 1), (max(h, k),))
+
+
+def _kda_tensors(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    d, h, k = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+    hk = h * k
+    t: dict[str, Shape] = {}
+    for x in ("q", "k", "v"):
+        t[f"{p}{x}_proj.weight"] = (hk, d)
+    for x in ("q", "k", "v"):
+        t[f"{p}{x}_conv1d.weight"] = (hk, 1, cfg.short_conv_kernel)
+    t[f"{p}A_log"] = a_log_shape(cfg)
+    t[f"{p}dt_bias"] = (hk,)
+    t[f"{p}f_a_proj.weight"] = (k, d)
+    t[f"{p}f_b_proj.weight"] = (hk, k)
+    t[f"{p}b_proj.weight"] = (h, d)
+    if cfg.kda_full_rank_gate:
+        t[f"{p}g_proj.weight"] = (hk, d)
+    else:
+        t[f"{p}g_a_proj.weight"] = (k, d)
+        t[f"{p}g_b_proj.weight"] = (hk, k)
+    t[f"{p}o_norm.weight"] = (k,)
+    t[f"{p}o_proj.weight"] = (d, hk)
+    return t
+
+
+def _mla_tensors(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    d, h = cfg.hidden_size, cfg.mla_num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    t: dict[str, Shape] = {}
+    if cfg.q_lora_rank is None:
+        t[f"{p}q_proj.weight"] = (h * qk, d)
+    else:
+        t[f"{p}q_a_proj.weight"] = (cfg.q_lora_rank, d)
+        t[f"{p}q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        t[f"{p}q_b_proj.weight"] = (h * qk, cfg.q_lora_rank)
+    t[f"{p}kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
+    t[f"{p}kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    t[f"{p}kv_b_proj.weight"] = (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    t[f"{p}o_proj.weight"] = (d, h * cfg.v_head_dim)
+    if cfg.mla_output_gate:
+        t[f"{p}g_proj.weight"] = (h * cfg.v_head_dim, d)
+    return t
+
+
+def _ffn_tensors(p: str, d: int, inter: int) -> dict[str, Shape]:
+    return {f"{p}gate_proj.weight": (inter, d), f"{p}up_proj.weight": (inter, d), f"{p}down_proj.weight": (d, inter)}
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
+    """Every tensor except the routed experts: canonical HF name -> shape, in trunk order.
+
+    Shapes follow FACTS.md; A_log has the shape synth writes (`a_log_shape`), convert also
+    accepts the other spelling. Works for any parsed config (the planner prices K3 with it).
+    """
+    d = cfg.hidden_size
+    t: dict[str, Shape] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
+    for i, kind in enumerate(cfg.layer_kinds):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = (d,)
+        t.update(_kda_tensors(cfg, p + "self_attn.") if kind == "kda" else _mla_tensors(cfg, p + "self_attn."))
+        t[p + "post_attention_layernorm.weight"] = (d,)
+        if i < cfg.first_k_dense_replace:
+            t.update(_ffn_tensors(p + "mlp.", d, cfg.intermediate_size))
+            continue
+        m = p + "block_sparse_moe."
+        t[m + "gate.weight"] = (cfg.num_experts, d)
+        t[m + "gate.e_score_correction_bias"] = (cfg.num_experts,)
+        if cfg.num_shared_experts > 0:
+            t.update(_ffn_tensors(m + "shared_experts.", d, cfg.moe_intermediate_size * cfg.num_shared_experts))
+    t["model.norm.weight"] = (d,)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = (cfg.vocab_size, d)
+    return t
+
+
+def expected_expert_tensors(cfg: ModelConfig) -> dict[str, Shape]:
+    """The matrices of ONE routed expert, in blob order: {"w1": [I, D], "w3": [I, D], "w2": [D, I]}.
+
+    Every expert of every MoE layer (`cfg.moe_layers`) has these; their checkpoint names come
+    from `expert_name(layer, e, part)`. D is the width the experts read (`expert_input_size`).
+    """
+    d, inter = cfg.expert_input_size, cfg.moe_intermediate_size
+    return {"w1": (inter, d), "w3": (inter, d), "w2": (d, inter)}
+
+
+def expert_name(layer: int, expert: int, part: str) -> str:
+    """Checkpoint name of one routed expert matrix (part w1, w2 or w3)."""
+    return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{part}.weight"
+
+
+def parse_expert_name(name: str) -> tuple[int, int, str] | None:
+    """(layer, expert, part) of a routed expert tensor name, else None."""
+    m = _EXPERT_RE.match(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def canonical_name(name: str, cfg: ModelConfig) -> str:
+    """Map the transformers spelling of the dense FFN (`block_sparse_moe.gate_proj`) to `mlp.`."""
+    m = _DENSE_ALT_RE.match(name)
+    if m and int(m.group(1)) < cfg.first_k_dense_replace:
+        return f"model.layers.{m.group(1)}.mlp.{m.group(2)}.weight"
+    return name
+
+
+def is_matrix(name: str, shape: Shape) -> bool:
+    """Weight matrices: every 2-D `*.weight` except the MoE router (which stays exact float32)."""
+    return len(shape) == 2 and name.endswith(".weight") and not name.endswith(ROUTER_SUFFIX)
+
+
+def storage_of(name: str, shape: Shape, scheme: str, *, routed_expert: bool = False) -> tuple[str, str]:
+    """(kind, storage) of a tensor under a scheme: kind "matrix" | "array", storage f32 | q8g | q4g."""
+    if scheme not in SCHEMES:
+        raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    if not (routed_expert or is_matrix(name, shape)):
+        return "array", "f32"
+    if scheme == "f32":
+        return "matrix", "f32"
+    return "matrix", "q4g" if scheme == "q4" and routed_expert else "q8g"
+
+
+def tensor_class(name: str, cfg: ModelConfig) -> str:
+    """Byte-count class of a trunk tensor: embedding, lm_head, kda, mla, dense_ffn, shared_experts, router, norms."""
+    if name == "model.embed_tokens.weight":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if ".shared_experts." in name:
+        return "shared_experts"
+    if name.endswith(ROUTER_SUFFIX) or name.endswith("e_score_correction_bias"):
+        return "router"
+    if ".mlp." in name:
+        return "dense_ffn"
+    if "norm" in name:
+        return "norms"
+    if ".self_attn." in name:
+        return cfg.layer_kinds[int(name.split(".")[2])]
+    return "other"
+
+
+def align(n: int, a: int) -> int:
+    """n rounded up to a multiple of a."""
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One buffer of a stored tensor: offset relative to the tensor's span."""
+
+    name: str
+    dtype: str  # numpy dtype name, little-endian
+    shape: Shape
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
+                "bytes": self.nbytes}
+
+
+def span_layout(kind: str, storage: str, shape: Shape) -> tuple[tuple[BufferSpec, ...], int]:
+    """Buffers of a stored tensor back to back, each 64-byte aligned; (buffers, span bytes)."""
+    if kind == "array":
+        layout = [("w", np.dtype(np.float32), shape)]
+    else:
+        layout = buffer_layout(storage, (shape[0], shape[1]))
+    specs, pos = [], 0
+    for bname, dtype, bshape in layout:
+        dt = np.dtype(dtype)
+        nbytes = math.prod(bshape) * dt.itemsize
+        specs.append(BufferSpec(bname, dt.name, tuple(int(s) for s in bshape), pos, nbytes))
+        pos = align(pos + nbytes, TRUNK_ALIGN)
+    end = specs[-1].offset + specs[-1].nbytes
+    return tuple(specs), end
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One row of the tensor table (trunk tensors, and the three parts of an expert blob)."""
+
+    name: str
+    file: str
+    offset: int  # absolute in `file` (trunk) or relative to the blob (expert parts)
+    nbytes: int  # the span: buffers plus the padding between them
+    shape: Shape
+    kind: str
+    storage: str
+    buffers: tuple[BufferSpec, ...]
+    crc32: int | None = None
+    group_size: Any = None  # as read from a manifest; written from GROUP_SIZE
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"name": self.name, "file": self.file, "offset": self.offset, "bytes": self.nbytes,
+             "shape": list(self.shape), "kind": self.kind, "storage": self.storage,
+             "group_size": GROUP_SIZE[self.storage], "buffers": [b.to_json() for b in self.buffers]}
+        if self.crc32 is not None:
+            d["crc32"] = self.crc32
+        return d
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """experts.bin: blob (layer, e) sits at (moe_index(layer) * E + e) * blob_bytes."""
+
+    layers: tuple[int, ...]
+    num_experts: int
+    blob_bytes: int
+    parts: tuple[TensorEntry, ...]  # w1, w3, w2 with offsets inside the blob
+    crc32: np.ndarray | None = None  # [L_moe, E, 3] uint32
+
+    @property
+    def file_bytes(self) -> int:
+        return len(self.layers) * self.num_experts * self.blob_bytes
+
+    def blob_offset(self, layer: int, expert: int) -> int:
+        if layer not in self.layers:
+            raise ContainerError(f"layer {layer} has no routed experts (MoE layers: {list(self.layers)})")
+        if not 0 <= expert < self.num_experts:
+            raise ContainerError(f"expert {expert} out of range 0..{self.num_experts - 1}")
+        return (self.layers.index(layer) * self.num_experts + expert) * self.blob_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": EXPERTS, "layers": list(self.layers), "num_experts": self.num_experts,
+                "blob_bytes": self.blob_bytes, "parts": [p.to_json() for p in self.parts],
+                "crc32": [] if self.crc32 is None else self.crc32.tolist()}
+
+
+def plan_trunk(cfg: ModelConfig, scheme: str, shapes: dict[str, Shape]) -> list[TensorEntry]:
+    """Offsets of the trunk tensors in the given order (shapes as found in the checkpoint)."""
+    entries, pos = [], 0
+    for name, shape in shapes.items():
+        kind, storage = storage_of(name, shape, scheme)
+        buffers, span = span_layout(kind, storage, shape)
+        entries.append(TensorEntry(name, TRUNK, pos, span, tuple(shape), kind, storage, buffers))
+        pos = align(pos + span, TRUNK_ALIGN)
+    return entries
+
+
+def plan_experts(cfg: ModelConfig, scheme: str) -> ExpertsLayout:
+    """Blob layout of experts.bin: w1, w3, w2 back to back, each 64-byte aligned, blob 4096-aligned."""
+    parts, pos = [], 0
+    for part, shape in expected_expert_tensors(cfg).items():
+        kind, storage = storage_of(part, shape, scheme, routed_expert=True)
+        buffers, span = span_layout(kind, storage, shape)
+        parts.append(TensorEntry(part, EXPERTS, pos, span, shape, kind, storage, buffers))
+        pos = align(pos + span, TRUNK_ALIGN)
+    return ExpertsLayout(tuple(cfg.moe_layers), cfg.num_experts, align(pos, BLOB_ALIGN), tuple(parts))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checked manifest.json."""
+
+    raw: dict[str, Any]
+    config: ModelConfig
+    scheme: str
+    file_bytes: dict[str, int]  # trunk.bin / experts.bin sizes the manifest promises
+    tensors: dict[str, TensorEntry]
+    experts: ExpertsLayout
+
+
+class _Obj:
+    """Typed reads from one JSON object; every failure is a ContainerError naming the key path."""
+
+    def __init__(self, d: Any, where: str):
+        if not isinstance(d, dict):
+            raise ContainerError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        self.d, self.where = d, where
+
+    def get(self, key: str) -> Any:
+        if key not in self.d:
+            raise ContainerError(f"{self.where}: key {key!r} is missing")
+        return self.d[key]
+
+    def int(self, key: str) -> int:
+        v = self.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _MAX_INT:
+            raise ContainerError(f"{self.where}.{key}: expected a non-negative integer, got {_short(v)}")
+        return v
+
+    def str(self, key: str) -> str:
+        v = self.get(key)
+        if not isinstance(v, str):
+            raise ContainerError(f"{self.where}.{key}: expected a string, got {_short(v)}")
+        return v
+
+    def list(self, key: str) -> list[Any]:
+        v = self.get(key)
+        if not isinstance(v, list):
+            raise ContainerError(f"{self.where}.{key}: expected a list, got {_short(v)}")
+        return v
+
+    def shape(self, key: str) -> Shape:
+        v = self.list(key)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and 0 < s < _MAX_INT for s in v) or len(v) > 8:
+            raise ContainerError(f"{self.where}.{key}: expected a list of positive integers, got {_short(v)}")
+        return tuple(v)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _entry(d: Any, where: str) -> TensorEntry:
+    o = _Obj(d, where)
+    tname = o.str("name")
+    buffers = []
+    for i, b in enumerate(o.list("buffers")):
+        bo = _Obj(b, f"{where}.buffers[{i}]")
+        buffers.append(BufferSpec(bo.str("name"), bo.str("dtype"), bo.shape("shape"), bo.int("offset"),
+                                  bo.int("bytes")))
+    crc = o.int("crc32") if "crc32" in o.d else None
+    return TensorEntry(tname, o.str("file"), o.int("offset"), o.int("bytes"), o.shape("shape"), o.str("kind"),
+                       o.str("storage"), tuple(buffers), crc, o.get("group_size"))
+
+
+def _check_entry(e: TensorEntry, scheme: str, shapes: tuple[Shape, ...], where: str,
+                 *, routed_expert: bool = False) -> None:
+    if e.shape not in shapes:
+        raise ContainerError(f"{where}: tensor {e.name!r} has shape {list(e.shape)}, expected {list(shapes[0])}")
+    kind, storage = storage_of(e.name, e.shape, scheme, routed_expert=routed_expert)
+    if (e.kind, e.storage, e.group_size) != (kind, storage, GROUP_SIZE[storage]):
+        raise ContainerError(f"{where}: tensor {e.name!r} is stored as {e.kind} {e.storage} (group "
+                             f"{_short(e.group_size)}), scheme {scheme} stores it as {kind} {storage}")
+    try:
+        buffers, span = span_layout(kind, storage, e.shape)
+    except WasteError as err:
+        raise ContainerError(f"{where}: tensor {e.name!r}: {err}") from None
+    if e.buffers != buffers or e.nbytes != span:
+        raise ContainerError(f"{where}: tensor {e.name!r}: buffer layout differs from this reader's {storage} layout")
+
+
+def parse_manifest(data: bytes, where: str = MANIFEST) -> Manifest:
+    """Check and parse manifest.json bytes; any problem raises ContainerError naming it."""
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ContainerError(f"{where}: not valid JSON ({_short(str(e))})") from None
+    top = _Obj(raw, where)
+    if top.d.get("magic") != MAGIC:
+        raise ContainerError(f"{where}: not a WASTE container (magic {_short(top.d.get('magic'))}, "
+                             f"expected {MAGIC!r})")
+    version = top.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise ContainerError(f"{where}: unknown format version {_short(version)} (this reader knows "
+                             f"{FORMAT_VERSION}); convert the checkpoint again with this version of waste")
+    scheme = top.str("scheme")
+    if scheme not in SCHEMES:
+        raise ContainerError(f"{where}: unknown quantisation scheme {_short(scheme)}")
+    cfg = _parse_config(top.get("config"), where)
+    files = _Obj(top.get("files"), f"{where}.files")
+    file_bytes = {f: _Obj(files.get(f), f"{where}.files.{f}").int("bytes") for f in (TRUNK, EXPERTS)}
+    tensors = _parse_tensors(top.list("tensors"), cfg, scheme, file_bytes[TRUNK], where)
+    experts = _parse_experts(_Obj(top.get("experts"), f"{where}.experts"), cfg, scheme, where)
+    if experts.file_bytes != file_bytes[EXPERTS]:
+        raise ContainerError(f"{where}: files.{EXPERTS}.bytes is {file_bytes[EXPERTS]}, the expert layout needs "
+                             f"{experts.file_bytes}")
+    return Manifest(raw, cfg, scheme, file_bytes, tensors, experts)
+
+
+def _parse_config(raw: Any, where: str) -> ModelConfig:
+    # parse_config allocates a list per layer before checking the layer lists: bound it first.
+    for d in (raw, raw.get("text_config") if isinstance(raw, dict) else None):
+        n = d.get("num_hidden_layers") if isinstance(d, dict) else None
+        if isinstance(n, int) and n > _MAX_LAYERS:
+            raise ContainerError(f"{where}: config: num_hidden_layers {_short(n)} is not a plausible layer count")
+    try:
+        cfg = parse_config(raw)
+        check_supported(cfg)
+    except WasteError as e:
+        raise ContainerError(f"{where}: config: {e}") from None
+    except OverflowError as e:  # a number too large for a float, e.g. rms_norm_eps 1e400 written as an integer
+        raise ContainerError(f"{where}: config: {e}") from None
+    return cfg
+
+
+def _parse_tensors(rows: list[Any], cfg: ModelConfig, scheme: str, trunk_bytes: int,
+                   where: str) -> dict[str, TensorEntry]:
+    expected = dict(expected_tensors(cfg))
+    accepted = {n: (s,) for n, s in expected.items()}
+    for name in [n for n in expected if n.endswith(".self_attn.A_log")]:
+        accepted[name] = a_log_shapes_accepted(cfg)
+    tensors: dict[str, TensorEntry] = {}
+    for i, row in enumerate(rows):
+        e = _entry(row, f"{where}.tensors[{i}]")
+        if e.name in tensors:
+            raise ContainerError(f"{where}: tensor {e.name!r} is listed twice")
+        if e.name not in expected:
+            raise ContainerError(f"{where}: unexpected tensor {e.name!r} for this config")
+        if e.file != TRUNK:
+            raise ContainerError(f"{where}: tensor {e.name!r} names file {_short(e.file)}, expected {TRUNK!r}")
+        if e.crc32 is None:
+            raise ContainerError(f"{where}: tensor {e.name!r} has no crc32")
+        _check_entry(e, scheme, accepted[e.name], where)
+        if e.offset % TRUNK_ALIGN:
+            raise ContainerError(f"{where}: tensor {e.name!r} offset {e.offset} is not {TRUNK_ALIGN}-byte aligned")
+        if e.offset + e.nbytes > trunk_bytes:
+            raise ContainerError(f"{where}: tensor {e.name!r} ends at byte {e.offset + e.nbytes}, past the end of "
+                                 f"{TRUNK} ({trunk_bytes} bytes)")
+        tensors[e.name] = e
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ContainerError(f"{where}: {len(missing)} tensor(s) missing, first {missing[0]!r}")
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in tensors.values())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise ContainerError(f"{where}: tensors {a!r} and {b!r} overlap in {TRUNK}")
+    return tensors
+
+
+def _parse_experts(o: _Obj, cfg: ModelConfig, scheme: str, where: str) -> ExpertsLayout:
+    plan = plan_experts(cfg, scheme)
+    if o.str("file") != EXPERTS:
+        raise ContainerError(f"{o.where}.file: expected {EXPERTS!r}")
+    if o.list("layers") != list(plan.layers) or o.int("num_experts") != plan.num_experts:
+        raise ContainerError(f"{o.where}: layers / num_experts do not match the config")
+    if o.int("blob_bytes") != plan.blob_bytes:
+        raise ContainerError(f"{o.where}.blob_bytes: {o.d['blob_bytes']}, the {scheme} layout needs {plan.blob_bytes}")
+    rows = o.list("parts")
+    if len(rows) != len(plan.parts):
+        raise ContainerError(f"{o.where}.parts: expected {len(plan.parts)} parts {EXPERT_PARTS}")
+    for i, (row, want) in enumerate(zip(rows, plan.parts, strict=True)):
+        e = _entry(row, f"{o.where}.parts[{i}]")
+        if e.name != want.name or e.file != EXPERTS or e.offset != want.offset:
+            raise ContainerError(f"{o.where}.parts[{i}]: expected part {want.name!r} in {EXPERTS} at blob offset "
+                                 f"{want.offset}")
+        _check_entry(e, scheme, (want.shape,), f"{o.where}.parts[{i}]", routed_expert=True)
+    shape = (len(plan.layers), plan.num_experts, len(EXPERT_PARTS))
+    crc = o.list("crc32")
+
+    def ok(v: Any, depth: int) -> bool:
+        if depth == len(shape):
+            return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 0xFFFFFFFF
+        return isinstance(v, list) and len(v) == shape[depth] and all(ok(x, depth + 1) for x in v)
+
+    if not ok(crc, 0):
+        raise ContainerError(f"{o.where}.crc32: expected {list(shape)} unsigned 32-bit CRCs")
+    table = np.array(crc, dtype=np.uint32).reshape(shape)
+    return ExpertsLayout(plan.layers, plan.num_experts, plan.blob_bytes, plan.parts, table)
+
+
+def manifest_json(cfg: ModelConfig, scheme: str, tensors: list[TensorEntry], experts: ExpertsLayout,
+                  trunk_bytes: int, extra: dict[str, Any] | None = None) -> bytes:
+    """The manifest.json bytes for a finished container."""
+    doc = {"magic": MAGIC, "format_version": FORMAT_VERSION, "scheme": scheme, "config": cfg.to_hf_dict(),
+           "files": {TRUNK: {"bytes": trunk_bytes}, EXPERTS: {"bytes": experts.file_bytes}},
+           "alignment": {"trunk": TRUNK_ALIGN, "experts_blob": BLOB_ALIGN},
+           **(extra or {}),
+           "tensors": [e.to_json() for e in tensors], "experts": experts.to_json()}
+    return (json.dumps(doc, indent=1) + "\n").encode()

@@ -1,0 +1,83 @@
+"""`waste info` (what a container holds) and `waste verify` (every CRC and bound)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from typing import Any
+
+from waste.container.format import ContainerError
+from waste.container.reader import Container, open_container
+from waste.units import human_bytes
+
+
+def info(c: Container) -> dict[str, Any]:
+    """A JSON-able summary: config, scheme, storage formats, bytes by class."""
+    cfg = c.config
+    counts = c.byte_counts()
+    formats = Counter(f"{c.entry(n).kind} {c.entry(n).storage}" for n in c.names())
+    return {
+        "path": str(c.path),
+        "format_version": c.manifest["format_version"],
+        "scheme": c.scheme,
+        "manifest_sha256": c.manifest_sha256,
+        "model_type": cfg.model_type,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+        "kda_layers": cfg.kda_layers,
+        "mla_layers": cfg.mla_layers,
+        "vocab_size": cfg.vocab_size,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_token": cfg.num_experts_per_token,
+        "moe_layers": cfg.moe_layers,
+        "trunk_tensors": len(c.names()),
+        "trunk_formats": dict(formats),
+        "expert_format": c.manifest["experts"]["parts"][0]["storage"],
+        "source": c.manifest.get("source"),
+        **counts,
+    }
+
+
+def _print_info(d: dict[str, Any]) -> None:
+    print(f"{d['path']}  (WASTE container v{d['format_version']}, scheme {d['scheme']})")
+    print(f"  model      {d['model_type']}: hidden {d['hidden_size']}, {d['num_layers']} layers "
+          f"({len(d['kda_layers'])} KDA, {len(d['mla_layers'])} MLA), vocab {d['vocab_size']}")
+    print(f"  experts    {d['num_experts']} per layer, top-{d['num_experts_per_token']}, "
+          f"{len(d['moe_layers'])} MoE layers, stored {d['expert_format']}")
+    print(f"  trunk      {human_bytes(d['trunk_bytes'])} in {d['trunk_tensors']} tensors "
+          f"({', '.join(f'{v} {k}' for k, v in sorted(d['trunk_formats'].items()))})")
+    for cls, n in sorted(d["per_class"].items(), key=lambda kv: -kv[1]):
+        print(f"    {cls:<15}{human_bytes(n):>12}")
+    print(f"  experts    {human_bytes(d['expert_bytes'])} = {d['expert_layers']} x {d['num_experts']} blobs of "
+          f"{human_bytes(d['expert_blob_bytes'])} ({human_bytes(d['expert_data_bytes'])} data)")
+    print(f"  manifest   sha256 {d['manifest_sha256']}")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """`waste info CONTAINER [--json]`."""
+    with open_container(args.container) as c:
+        d = info(c)
+    if getattr(args, "json", False):
+        print(json.dumps(d, indent=2))
+    else:
+        _print_info(d)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """`waste verify CONTAINER`: exit 0 when every CRC matches and all padding is zero, else 2."""
+    with open_container(args.container) as c:
+        problems = c.verify(collect=True)
+        counts = c.byte_counts()
+        n_tensors = len(c.names())
+    if problems:
+        for p in problems[1:]:
+            print(f"waste: {p}", file=sys.stderr)
+        more = f" ({len(problems) - 1} more problems above)" if len(problems) > 1 else ""
+        raise ContainerError(problems[0] + more)
+    blobs = counts["expert_layers"] * counts["num_experts"]
+    print(f"{args.container}: OK ({n_tensors} trunk tensors, {blobs} expert blobs, "
+          f"{human_bytes(counts['trunk_bytes'] + counts['expert_bytes'])} checked)")
+    return 0

@@ -1,0 +1,257 @@
+"""Reading a container: memory-mapped, checked on open, zero-copy views, CRCs on demand.
+
+`open_container(path)` checks the manifest (magic, version, config, tensor table against
+`expected_tensors`), the sizes of trunk.bin and experts.bin and every tensor's bounds; what
+it hands out afterwards are read-only NumPy views over the memory maps, so a damaged file
+is reported by name instead of read as garbage. `Container.verify()` reads every byte and
+checks the CRCs and that the padding is zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from waste.config import ModelConfig
+from waste.container.format import (
+    EXPERT_PARTS,
+    EXPERTS,
+    MANIFEST,
+    TRUNK,
+    ContainerError,
+    Manifest,
+    TensorEntry,
+    parse_manifest,
+    tensor_class,
+)
+from waste.kernels.quant import QMatrix, from_buffers
+
+_CHUNK = 64 << 20  # bytes checked per step when verifying padding
+
+
+def _map(path: Path, size: int) -> tuple[np.ndarray, mmap.mmap | None]:
+    """The file as a read-only uint8 array over a memory map (an empty array for an empty file)."""
+    if size == 0:
+        return np.zeros(0, np.uint8), None
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(mm, np.uint8), mm
+
+
+class Container:
+    """An open NAME.waste container; see docs/CONTAINER.md."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        if not self.path.is_dir():
+            raise ContainerError(f"{self.path}: not a container directory (no such directory)")
+        try:
+            data = mpath.read_bytes()
+        except FileNotFoundError:
+            raise ContainerError(f"{mpath}: missing; {self.path} is not a WASTE container") from None
+        self._manifest: Manifest = parse_manifest(data, str(mpath))
+        self.manifest_sha256 = hashlib.sha256(data).hexdigest()
+        self.trunk_path = self.path / TRUNK
+        self.experts_path = self.path / EXPERTS
+        self._maps: list[mmap.mmap] = []
+        self._closed = False
+        self._trunk = self._open_file(self.trunk_path, self._manifest.file_bytes[TRUNK], self._trunk_owner)
+        self._experts = self._open_file(self.experts_path, self._manifest.file_bytes[EXPERTS], self._expert_owner)
+
+    def _trunk_owner(self, offset: int) -> str:
+        for e in sorted(self._manifest.tensors.values(), key=lambda e: e.offset):
+            if e.offset + e.nbytes > offset:
+                return f"tensor {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes})"
+        return "the end padding"
+
+    def _expert_owner(self, offset: int) -> str:
+        ex = self._manifest.experts
+        blob = offset // ex.blob_bytes
+        layer = ex.layers[min(blob // ex.num_experts, len(ex.layers) - 1)]
+        return f"expert {blob % ex.num_experts} of layer {layer} (blob at byte {blob * ex.blob_bytes})"
+
+    def _open_file(self, path: Path, size: int, owner: Any) -> np.ndarray:
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            raise ContainerError(f"{path}: missing") from None
+        if actual < size:
+            raise ContainerError(f"{path}: truncated to {actual} of {size} bytes; {owner(actual)} is cut off")
+        if actual > size:
+            raise ContainerError(f"{path}: {actual} bytes, the manifest says {size}")
+        arr, mm = _map(path, size)
+        if mm is not None:
+            self._maps.append(mm)
+        return arr
+
+    # -- what the manifest says ------------------------------------------------------------
+    @property
+    def config(self) -> ModelConfig:
+        return self._manifest.config
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self._manifest.raw
+
+    @property
+    def scheme(self) -> str:
+        return self._manifest.scheme
+
+    def names(self) -> list[str]:
+        """Trunk tensor names in file order (routed experts are reached through `expert`)."""
+        return list(self._manifest.tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._manifest.tensors
+
+    def entry(self, name: str) -> TensorEntry:
+        """The manifest row of a trunk tensor."""
+        e = self._manifest.tensors.get(name)
+        if e is None:
+            raise ContainerError(f"{self.path}: no tensor {name!r}")
+        return e
+
+    # -- views -----------------------------------------------------------------------------
+    def _views(self, base: np.ndarray, entry: TensorEntry, start: int) -> dict[str, np.ndarray]:
+        if self._closed:
+            raise ContainerError(f"{self.path}: container is closed")
+        out = {}
+        for b in entry.buffers:
+            lo = start + b.offset
+            out[b.name] = base[lo:lo + b.nbytes].view(np.dtype(b.dtype)).reshape(b.shape)
+        return out
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A float32 tensor in its original shape (read-only view); for arrays and f32 matrices."""
+        e = self.entry(name)
+        if e.storage != "f32":
+            raise ContainerError(f"{self.path}: tensor {name!r} is a {e.storage} matrix; use matrix()")
+        return self._views(self._trunk, e, e.offset)["w"]
+
+    def matrix(self, name: str) -> QMatrix:
+        """A weight matrix [N, K] as a QMatrix over the memory map (also 2-D float32 arrays: the router)."""
+        e = self.entry(name)
+        if len(e.shape) != 2:
+            raise ContainerError(f"{self.path}: tensor {name!r} has shape {list(e.shape)}, not a matrix")
+        return from_buffers(e.storage, (e.shape[0], e.shape[1]), self._views(self._trunk, e, e.offset))
+
+    def _decode(self, base: np.ndarray, start: int) -> tuple[QMatrix, QMatrix, QMatrix]:
+        parts = {}
+        for p in self._manifest.experts.parts:
+            parts[p.name] = from_buffers(p.storage, (p.shape[0], p.shape[1]), self._views(base, p, start + p.offset))
+        return parts["w1"], parts["w3"], parts["w2"]
+
+    def expert_span(self, layer: int, expert: int) -> tuple[int, int]:
+        """(offset, nbytes) of one expert's blob in experts.bin; offset and nbytes are multiples of 4096."""
+        ex = self._manifest.experts
+        return ex.blob_offset(layer, expert), ex.blob_bytes
+
+    def expert(self, layer: int, expert: int) -> tuple[QMatrix, QMatrix, QMatrix]:
+        """(w1, w3, w2) of one routed expert: [I, D], [I, D], [D, I], zero-copy over experts.bin."""
+        offset, _ = self.expert_span(layer, expert)
+        return self._decode(self._experts, offset)
+
+    def decode_expert(self, layer: int, buf: np.ndarray) -> tuple[QMatrix, QMatrix, QMatrix]:
+        """(w1, w3, w2) as views over a blob read into `buf` (uint8, expert_blob_bytes long)."""
+        ex = self._manifest.experts
+        if layer not in ex.layers:
+            raise ContainerError(f"layer {layer} has no routed experts (MoE layers: {list(ex.layers)})")
+        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != ex.blob_bytes:
+            raise ContainerError(f"expert blob buffer must be uint8 [{ex.blob_bytes}], got {buf.dtype} {buf.shape}")
+        return self._decode(buf, 0)
+
+    # -- sizes -----------------------------------------------------------------------------
+    def byte_counts(self) -> dict[str, Any]:
+        """trunk_bytes, expert_bytes (file sizes), expert_blob_bytes and per_class data bytes of the trunk."""
+        per_class: dict[str, int] = {}
+        for e in self._manifest.tensors.values():
+            cls = tensor_class(e.name, self.config)
+            per_class[cls] = per_class.get(cls, 0) + e.data_bytes
+        ex = self._manifest.experts
+        return {
+            "trunk_bytes": self._manifest.file_bytes[TRUNK],
+            "expert_bytes": self._manifest.file_bytes[EXPERTS],
+            "expert_blob_bytes": ex.blob_bytes,
+            "expert_data_bytes": sum(p.data_bytes for p in ex.parts),
+            "expert_layers": len(ex.layers),
+            "num_experts": ex.num_experts,
+            "per_class": per_class,
+        }
+
+    # -- checks ----------------------------------------------------------------------------
+    def _problems(self) -> Iterator[str]:
+        trunk = self._trunk
+        pos = 0
+        for e in sorted(self._manifest.tensors.values(), key=lambda e: e.offset):
+            if np.any(trunk[pos:e.offset]):
+                yield f"{self.trunk_path}: nonzero padding in bytes {pos}..{e.offset} before tensor {e.name!r}"
+            crc = zlib.crc32(trunk[e.offset:e.offset + e.nbytes])
+            if crc != e.crc32:
+                yield f"{self.trunk_path}: CRC mismatch in tensor {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes})"
+            pos = e.offset + e.nbytes
+        if np.any(trunk[pos:]):
+            yield f"{self.trunk_path}: nonzero padding after the last tensor (bytes {pos}..{trunk.size})"
+        ex = self._manifest.experts
+        for li, layer in enumerate(ex.layers):
+            for e in range(ex.num_experts):
+                base = (li * ex.num_experts + e) * ex.blob_bytes
+                pos = 0
+                for p, part in enumerate(ex.parts):
+                    lo = base + part.offset
+                    if np.any(self._experts[base + pos:lo]):
+                        yield (f"{self.experts_path}: nonzero padding before {EXPERT_PARTS[p]} of expert {e}, "
+                               f"layer {layer}")
+                    if zlib.crc32(self._experts[lo:lo + part.nbytes]) != ex.crc32[li, e, p]:
+                        yield (f"{self.experts_path}: CRC mismatch in model.layers.{layer}.block_sparse_moe.experts."
+                               f"{e}.{part.name}.weight (blob at byte {base})")
+                    pos = part.offset + part.nbytes
+                if np.any(self._experts[base + pos:base + ex.blob_bytes]):
+                    yield f"{self.experts_path}: nonzero padding at the end of expert {e}, layer {layer}"
+
+    def verify(self, *, collect: bool = False) -> list[str]:
+        """Check every CRC and that all padding is zero.
+
+        Raises ContainerError naming file and tensor on the first problem; with collect=True,
+        returns the list of all problems instead (empty when the container is sound).
+        """
+        problems = []
+        for p in self._problems():
+            if not collect:
+                raise ContainerError(p)
+            problems.append(p)
+        return problems
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the memory maps (views still alive keep theirs until they are dropped)."""
+        self._closed = True
+        self._trunk = self._experts = np.zeros(0, np.uint8)
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the map goes when the view does
+        self._maps.clear()
+
+    def __enter__(self) -> Container:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Container({str(self.path)!r}, scheme={self.scheme!r})"
+
+
+def open_container(path: str | Path) -> Container:
+    """Open and check a NAME.waste container (magic, version, tensor table, file sizes, bounds)."""
+    return Container(path)

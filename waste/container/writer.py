@@ -1,0 +1,177 @@
+"""Writing a container: planned layout, tensors placed by pwrite, atomic rename at the end.
+
+The whole layout (every offset in trunk.bin and experts.bin) is planned before the first
+byte is written, so tensors can arrive in any order (shard by shard) and the result does
+not depend on how the checkpoint was sharded. The container is built in a hidden sibling
+directory and renamed into place only after the manifest is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import zlib
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from waste.config import ModelConfig
+from waste.container.format import (
+    EXPERT_PARTS,
+    EXPERTS,
+    MANIFEST,
+    TRUNK,
+    TRUNK_ALIGN,
+    Shape,
+    TensorEntry,
+    align,
+    check_supported,
+    manifest_json,
+    plan_experts,
+    plan_trunk,
+)
+from waste.errors import WasteError
+from waste.kernels.quant import quantize
+
+
+def _encode(entry: TensorEntry, value: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(offset in the span, bytes) of each buffer of `value` stored as `entry` says."""
+    value = np.asarray(value)
+    if tuple(value.shape) != entry.shape:
+        raise WasteError(f"tensor {entry.name!r}: shape {list(value.shape)}, planned {list(entry.shape)}")
+    if entry.kind == "array":
+        buffers = {"w": np.ascontiguousarray(value, dtype=np.float32)}
+    else:
+        buffers = quantize(value.astype(np.float32, copy=False), entry.storage).buffers
+    out = []
+    for spec in entry.buffers:
+        b = buffers[spec.name]
+        if b.dtype.name != spec.dtype or tuple(b.shape) != spec.shape:
+            raise WasteError(f"tensor {entry.name!r}: quantize({entry.storage}) gave buffer {spec.name!r} "
+                             f"{b.dtype} {b.shape}, layout says {spec.dtype} {spec.shape}")
+        out.append((spec.offset, np.ascontiguousarray(b).reshape(-1).view(np.uint8)))
+    return out
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = memoryview(data)
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _span_crc(pieces: list[tuple[int, np.ndarray]]) -> int:
+    """CRC32 of a span: the buffers with the zero padding between them."""
+    crc, pos = 0, 0
+    for off, data in pieces:
+        if off > pos:
+            crc = zlib.crc32(bytes(off - pos), crc)
+        crc = zlib.crc32(data, crc)
+        pos = off + data.nbytes
+    return crc
+
+
+class ContainerWriter:
+    """Builds NAME.waste/ in a temporary directory; `finish()` writes the manifest and renames.
+
+    `shapes` are the trunk tensors in trunk order with the shapes found in the checkpoint
+    (A_log may use either accepted spelling); routed experts follow `plan_experts(cfg)`.
+    """
+
+    def __init__(self, out: str | Path, cfg: ModelConfig, scheme: str, shapes: dict[str, Shape], *,
+                 force: bool = False, extra: dict[str, Any] | None = None):
+        check_supported(cfg)
+        self.out = Path(out)
+        if self.out.exists() and not force:
+            raise WasteError(f"{self.out} exists; pass --force to replace it")
+        if not self.out.parent.is_dir():
+            raise WasteError(f"{self.out.parent}: no such directory")
+        self.cfg, self.scheme, self.extra = cfg, scheme, extra or {}
+        self.entries = {e.name: e for e in plan_trunk(cfg, scheme, shapes)}
+        last = max(self.entries.values(), key=lambda e: e.offset)
+        self.trunk_bytes = align(last.offset + last.nbytes, TRUNK_ALIGN)
+        self.experts = plan_experts(cfg, scheme)
+        self.crc: dict[str, int] = {}
+        grid = (len(self.experts.layers), self.experts.num_experts, len(EXPERT_PARTS))
+        self.expert_crc = np.zeros(grid, np.uint32)
+        self.expert_done = np.zeros(grid, bool)
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        self._fds: dict[str, int] = {}
+        for name, size in ((TRUNK, self.trunk_bytes), (EXPERTS, self.experts.file_bytes)):
+            fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fds[name] = fd
+            os.ftruncate(fd, size)
+
+    def write_tensor(self, name: str, value: np.ndarray) -> None:
+        """Store one trunk tensor (float values in their checkpoint shape)."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise WasteError(f"tensor {name!r} is not part of this container's trunk")
+        if name in self.crc:
+            raise WasteError(f"tensor {name!r} written twice")
+        pieces = _encode(entry, value)
+        for off, data in pieces:
+            _pwrite_all(self._fds[TRUNK], data, entry.offset + off)
+        self.crc[name] = _span_crc(pieces)
+
+    def write_expert(self, layer: int, expert: int, part: str, value: np.ndarray) -> None:
+        """Store one routed expert matrix (part w1, w3 or w2) into its blob."""
+        base = self.experts.blob_offset(layer, expert)
+        p = EXPERT_PARTS.index(part)
+        idx = (self.experts.layers.index(layer), expert, p)
+        if self.expert_done[idx]:
+            raise WasteError(f"expert {expert} {part} of layer {layer} written twice")
+        entry = self.experts.parts[p]
+        pieces = _encode(entry, value)
+        for off, data in pieces:
+            _pwrite_all(self._fds[EXPERTS], data, base + entry.offset + off)
+        self.expert_crc[idx] = _span_crc(pieces)
+        self.expert_done[idx] = True
+
+    def finish(self) -> Path:
+        """Check everything was written, write manifest.json, rename into place; the container's path."""
+        missing = [n for n in self.entries if n not in self.crc]
+        if missing:
+            raise WasteError(f"{len(missing)} tensor(s) never written, first {missing[0]!r}")
+        if not self.expert_done.all():
+            li, e, p = (int(i) for i in np.argwhere(~self.expert_done)[0])
+            raise WasteError(f"expert {e} {EXPERT_PARTS[p]} of layer {self.experts.layers[li]} never written")
+        for fd in self._fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        self._fds.clear()
+        tensors = [dataclasses.replace(e, crc32=self.crc[e.name]) for e in self.entries.values()]
+        experts = dataclasses.replace(self.experts, crc32=self.expert_crc)
+        data = manifest_json(self.cfg, self.scheme, tensors, experts, self.trunk_bytes, self.extra)
+        with open(self.tmp / MANIFEST, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+        if self.out.exists():
+            os.replace(self.out, old)
+        os.replace(self.tmp, self.out)
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        return self.out
+
+    def abort(self) -> None:
+        """Drop the temporary directory; the destination is left as it was."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> ContainerWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            self.abort()

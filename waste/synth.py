@@ -1,0 +1,206 @@
+"""Random Hugging Face style checkpoints with the real tensor names, for any preset's shape.
+
+`synthesize` writes `config.json`, shards `model-0000i-of-0000n.safetensors` and
+`model.safetensors.index.json`, one tensor at a time (memory bounded by the largest tensor).
+Each tensor is drawn from its own generator seeded by (seed, CRC32 of its name), so the
+values do not depend on sharding or on the order of writing.
+
+Value ranges are chosen so a forward pass stays in range through every layer: inputs of
+every projection are RMS-normalised or O(1), so weights are N(0, 1/fan_in); the matrices
+that write back into the residual stream (o_proj, down_proj, w2) are a further
+1/sqrt(2 L) smaller so the stream grows by O(1) over the whole depth; norms are
+1 + 0.05 N(0, 1); conv taps are near identity (0.1 N(0, 1), plus 1 on the current-token tap);
+A_log = log U[1, 16]; dt_bias 0.1 N(0, 1); router bias 0.01 N(0, 1); lm_head is scaled so
+logits have a standard deviation of about 3 (a clear but not extreme spread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from waste.config import PRESETS, ModelConfig, load_config_file, load_preset, parse_config
+from waste.container.format import (
+    EXPERT_PARTS,
+    Shape,
+    check_supported,
+    expected_expert_tensors,
+    expected_tensors,
+    expert_name,
+)
+from waste.errors import WasteError
+from waste.units import human_bytes, parse_size
+
+DTYPES = {"bf16": ("BF16", ml_dtypes.bfloat16), "f32": ("F32", np.float32)}
+INDEX = "model.safetensors.index.json"
+_RESIDUAL_WRITERS = (".o_proj.weight", ".down_proj.weight", ".w2.weight")
+LOGIT_STD = 3.0
+
+
+def resolve_config(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path) -> ModelConfig:
+    """A ModelConfig from a ModelConfig, an HF config dict, a preset name or a config.json path."""
+    if isinstance(cfg_or_preset, ModelConfig):
+        return cfg_or_preset
+    if isinstance(cfg_or_preset, dict):
+        return parse_config(cfg_or_preset)
+    if isinstance(cfg_or_preset, str) and cfg_or_preset in PRESETS:
+        return load_preset(cfg_or_preset)
+    return load_config_file(cfg_or_preset)
+
+
+def checkpoint_tensors(cfg: ModelConfig) -> dict[str, Shape]:
+    """Every tensor of the checkpoint in file order: each layer's experts sit inside the layer."""
+    trunk = expected_tensors(cfg)
+    parts = expected_expert_tensors(cfg)
+    out: dict[str, Shape] = {}
+    current = -1
+
+    def experts_of(layer: int) -> None:
+        if layer in cfg.moe_layers:
+            for e in range(cfg.num_experts):
+                for part in EXPERT_PARTS:
+                    out[expert_name(layer, e, part)] = parts[part]
+
+    for name, shape in trunk.items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if layer != current:
+            experts_of(current)
+            current = layer
+        out[name] = shape
+    experts_of(current)
+    return out
+
+
+def synth_values(name: str, shape: Shape, cfg: ModelConfig, seed: int) -> np.ndarray:
+    """float32 values of one tensor, deterministic in (seed, name)."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    # In place throughout: the largest tensors (embedding, lm_head) set the memory peak.
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith("norm.weight"):
+        x *= np.float32(0.05)
+        x += np.float32(1)
+        return x
+    if name.endswith(".A_log"):
+        h = cfg.kda_num_heads
+        a = np.zeros(shape, np.float32).reshape(-1)
+        a[:h] = np.log(rng.uniform(1.0, 16.0, size=h)).astype(np.float32)
+        return a.reshape(shape)
+    if name.endswith(".dt_bias"):
+        x *= np.float32(0.1)
+        return x
+    if name.endswith("e_score_correction_bias"):
+        x *= np.float32(0.01)
+        return x
+    if "_conv1d." in name:
+        x *= np.float32(0.1)
+        x[..., -1] += np.float32(1)
+        return x
+    if name == "model.embed_tokens.weight":
+        return x
+    scale = 1.0 / math.sqrt(shape[-1])
+    if name == "lm_head.weight":
+        scale *= LOGIT_STD
+    elif name.endswith(_RESIDUAL_WRITERS):
+        scale /= math.sqrt(2 * cfg.num_layers)
+    x *= np.float32(scale)
+    return x
+
+
+def _plan_shards(tensors: dict[str, Shape], itemsize: int, shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in tensors.items():
+        n = math.prod(shape) * itemsize
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _write_shard(path: Path, names: list[str], tensors: dict[str, Shape], cfg: ModelConfig, seed: int,
+                 dtype: str) -> int:
+    """One safetensors file, header first, then each tensor as it is generated; its data bytes."""
+    st_dtype, np_dtype = DTYPES[dtype]
+    itemsize = np.dtype(np_dtype).itemsize
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for name in names:
+        n = math.prod(tensors[name]) * itemsize
+        header[name] = {"dtype": st_dtype, "shape": list(tensors[name]), "data_offsets": [pos, pos + n]}
+        pos += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as the reference writer does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name in names:
+            values = synth_values(name, tensors[name], cfg, seed).astype(np_dtype)
+            f.write(memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8)))
+    return pos
+
+
+def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir: str | Path, *, seed: int = 0,
+               dtype: str = "bf16", shard_bytes: int = 512 << 20, force: bool = False) -> Path:
+    """Write a random checkpoint (config.json, shards, index) for a config; the directory's path."""
+    cfg = resolve_config(cfg_or_preset)
+    check_supported(cfg)
+    if dtype not in DTYPES:
+        raise WasteError(f"unknown dtype {dtype!r}; expected bf16 or f32")
+    if shard_bytes < 1:
+        raise WasteError(f"shard size must be positive, got {shard_bytes}")
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise WasteError(f"{out} exists; pass --force to replace it")
+    if not out.parent.is_dir():
+        raise WasteError(f"{out.parent}: no such directory")
+    tensors = checkpoint_tensors(cfg)
+    itemsize = np.dtype(DTYPES[dtype][1]).itemsize
+    shards = _plan_shards(tensors, itemsize, shard_bytes)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        hf = cfg.to_hf_dict()
+        hf["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        weight_map, total = {}, 0
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += _write_shard(tmp / fname, names, tensors, cfg, seed, dtype)
+            weight_map.update(dict.fromkeys(names, fname))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    """`waste synth PRESET OUT_DIR [--seed S] [--dtype bf16|f32] [--shard-size 512M] [--force]`."""
+    shard_bytes = parse_size(getattr(args, "shard_size", None) or "512M", "shard size")
+    out = synthesize(args.preset, args.out_dir, seed=args.seed, dtype=args.dtype, shard_bytes=shard_bytes,
+                     force=args.force)
+    index = json.loads((out / INDEX).read_text())
+    n_shards = len(set(index["weight_map"].values()))
+    print(f"{out}: {len(index['weight_map'])} tensors, {human_bytes(index['metadata']['total_size'])} "
+          f"in {n_shards} shard(s), {args.dtype}, seed {args.seed}")
+    return 0

@@ -1,0 +1,87 @@
+"""Helpers for tests in every area: tiny configs and tiny containers built on the fly.
+
+`tiny_container(tmp_path_factory, quant="q8", overrides={"q_lora_rank": 16})` synthesises the
+`tiny` preset (with config overrides merged in) and converts it; with a pytest
+`tmp_path_factory` the result is cached for the session, keyed by its arguments, so many
+tests can share one container (containers are read-only once written).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from waste.config import preset_dict
+
+_CACHE: dict[tuple[str, str], Path] = {}
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """The `tiny` preset's HF config dict with overrides merged in (nested dicts merge key by key).
+
+    e.g. tiny_config(q_lora_rank=16, linear_attn_config={"gate_lower_bound": -5.0}).
+    """
+    return _merge(preset_dict("tiny"), overrides)
+
+
+def tiny_container(tmp: Any, *, quant: str = "f32", dtype: str = "f32", seed: int = 0,
+                   overrides: dict[str, Any] | None = None) -> Path:
+    """Synthesise the tiny model (with config overrides) and convert it; the container's path.
+
+    `tmp` is a pytest TempPathFactory (containers are then cached across the session) or a
+    directory to build in.
+    """
+    from waste.container.convert import convert
+    from waste.synth import synthesize
+
+    key = json.dumps([quant, dtype, seed, overrides or {}], sort_keys=True)
+    tag = f"tiny-{quant}-{dtype}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    if hasattr(tmp, "getbasetemp"):
+        base = Path(tmp.getbasetemp()) / "waste-tiny"
+        base.mkdir(exist_ok=True)
+    else:
+        base = Path(tmp)
+        base.mkdir(parents=True, exist_ok=True)
+    cache_key = (str(base), tag)
+    cached = _CACHE.get(cache_key)
+    if cached is not None and (cached / "manifest.json").is_file():
+        return cached
+    cfg = tiny_config(**(overrides or {}))
+    hf = synthesize(cfg, base / f"{tag}-hf", seed=seed, dtype=dtype, force=True)
+    out = convert(hf, base / f"{tag}.waste", quant=quant, force=True, progress=False)
+    _CACHE[cache_key] = out
+    return out
+
+
+def tiny_checkpoint(container: Path) -> Path:
+    """The synthesised checkpoint directory a `tiny_container` was converted from."""
+    return container.parent / (container.name.removesuffix(".waste") + "-hf")
+
+
+def load_checkpoint(hf_dir: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint as float32, read with the safetensors library (not waste's reader)."""
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(hf_dir / shard, "np") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                out[name] = f.get_tensor(name).astype(np.float32)
+    return out
