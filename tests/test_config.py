@@ -69,6 +69,8 @@ def _broken(mutate):
         (lambda d: d.update(num_expert_group=3), "cannot form 3 groups"),
         (lambda d: d.update(moe_router_activation_func="softmax"), "expected 'sigmoid'"),
         (lambda d: d.pop("linear_attn_config"), "'linear_attn_config' is missing"),
+        (lambda d: d.update(rms_norm_eps=10**400), "'rms_norm_eps': expected a finite number"),
+        (lambda d: d.update(num_hidden_layers=10**9), "'num_hidden_layers': 1000000000 is more than"),
     ],
 )
 def test_bad_config_names_the_key(mutate, message):

@@ -13,6 +13,7 @@ Presets ship as JSON files in `waste/presets/` in the same Hugging Face form.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -22,6 +23,8 @@ from waste.errors import ConfigError
 
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
 PRESETS = ("tiny", "mini", "kimi-linear-48b-a3b", "k3")
+# A sanity bound that keeps a corrupt config from allocating per-layer tables without end.
+MAX_LAYERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,11 @@ class _Keys:
 
     def float(self, key: str, default: float | None = None) -> float:
         v = self._get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"config key {self._path(key)!r}: expected a number, got {v!r}")
+        try:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError
+        except (ValueError, OverflowError):
+            raise ConfigError(f"config key {self._path(key)!r}: expected a finite number, got {v!r:.40}") from None
         return float(v)
 
     def bool(self, key: str, default: bool | None = None) -> bool:
@@ -203,6 +209,8 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
     c = top.obj("text_config") if model_type == "kimi_k3" else top
     la = c.obj("linear_attn_config")
     num_layers = c.int("num_hidden_layers")
+    if num_layers > MAX_LAYERS:
+        raise ConfigError(f"config key 'num_hidden_layers': {num_layers} is more than {MAX_LAYERS}")
     kinds = _layer_kinds(num_layers, la.int_list("kda_layers"), la.int_list("full_attn_layers"), la.where)
     lower_bound = la.float("gate_lower_bound") if la.has("gate_lower_bound") else None
     if lower_bound is not None and lower_bound >= 0:
