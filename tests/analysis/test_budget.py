@@ -1,0 +1,114 @@
+"""Plan breakdowns, the decode speed bound and the state curves against hand-computed figures."""
+
+import json
+
+import pytest
+
+from waste.analysis.budget import (
+    PLAN_PARTS,
+    budget_summary,
+    cache_fraction,
+    crossover_context,
+    decode_speed_bound,
+    plan_breakdown,
+    ram_breakdown,
+    state_curve,
+    state_curves,
+    target_config,
+)
+from waste.config import load_preset, preset_dict
+from waste.errors import WasteError
+from waste.plan import make_plan, state_bytes
+
+MiB = 1 << 20
+
+
+def test_breakdown_parts_add_up_to_the_plan():
+    plan = make_plan("tiny", scheme="f32", context=1024)
+    parts = plan_breakdown(plan)
+    assert tuple(parts) == PLAN_PARTS
+    assert sum(parts.values()) == plan.resident + plan.weights.experts_total
+    assert parts["mla_latent"] == 2 * 1024 * 40 * 4
+
+
+def test_ram_breakdown_fills_the_budget_with_whole_experts():
+    plan = make_plan("tiny", scheme="f32", context=1024, ram=2 * MiB)
+    ram = ram_breakdown(plan)
+    assert sum(ram.values()) == 2 * MiB
+    assert ram["expert_cache"] == plan.experts_fit * plan.weights.per_expert
+    assert 0 <= ram["free"] < plan.weights.per_expert or plan.experts_fit == 32
+    assert cache_fraction(plan) == plan.experts_fit / 32
+    short = ram_breakdown(make_plan("tiny", scheme="f32", ram="100K"))
+    assert short["expert_cache"] == 0 and short["free"] < 0
+    with pytest.raises(WasteError, match="RAM budget"):
+        ram_breakdown(make_plan("tiny", scheme="f32"))
+
+
+def test_decode_bound_by_hand_on_tiny():
+    plan = make_plan("tiny", scheme="f32", context=1024)
+    # experts per token: top-2 x 4 MoE layers x (3 x 32 x 64 x 4 B) = 196608; half missed.
+    # RAM: trunk 864368 - embedding 131072, KDA state and rings twice (12288 + 6912),
+    # latent 2 x 1024 x 40 x 4 once, plus all the experts (missed ones pass through RAM too).
+    b = decode_speed_bound(plan, 0.5, nvme_gbps=2.0, mem_gbps=60.0)
+    assert b.nvme_bytes == 98304
+    assert b.memory_bytes == (864368 - 131072) + 2 * (12288 + 6912) + 327680 + 196608
+    assert b.nvme_seconds == pytest.approx(98304 / 2e9)
+    assert b.memory_seconds == pytest.approx(b.memory_bytes / 60e9)
+    assert b.tokens_per_second == pytest.approx(1 / max(b.nvme_seconds, b.memory_seconds))
+    assert b.serial_tokens_per_second == pytest.approx(1 / (b.nvme_seconds + b.memory_seconds))
+    assert b.serial_tokens_per_second < b.tokens_per_second
+
+
+def test_decode_bound_rises_with_hit_rate_and_is_memory_bound_at_full_hits():
+    plan = make_plan("kimi-linear-48b-a3b", scheme="bf16")
+    bounds = [decode_speed_bound(plan, h, 7.0) for h in (0, 0.25, 0.5, 0.75, 0.99, 1)]
+    speeds = [b.tokens_per_second for b in bounds]
+    assert speeds == sorted(speeds) and len(set(b.memory_bytes for b in bounds)) == 1
+    assert decode_speed_bound(plan, 0.0, 7.0).limited_by == "nvme"
+    full = decode_speed_bound(plan, 1.0, 7.0)
+    assert full.nvme_bytes == 0 and full.limited_by == "memory"
+    for bad in ({"hit_rate": 1.5, "nvme_gbps": 7}, {"hit_rate": 0.5, "nvme_gbps": 0}):
+        with pytest.raises(WasteError):
+            decode_speed_bound(plan, **bad)
+
+
+def test_state_curve_matches_the_planner_and_the_seed():
+    cfg = load_preset("k3")
+    ctxs = [1024, 4096, 1 << 20]
+    curve = state_curve(cfg, ctxs)
+    assert list(curve) == [state_bytes(cfg, c).total for c in ctxs]
+    assert round(curve[1] / MiB) == 659
+    assert list(state_curve(cfg, ctxs, "bf16") * 2) == list(curve)
+    assert list(state_curve(cfg, ctxs, all_mla=True)) == [93 * c * 576 * 4 for c in ctxs]
+    curves = state_curves({"K3": cfg}, ctxs)
+    assert set(curves) == {"K3", "K3, all MLA"}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "kimi-linear-48b-a3b", "k3"])
+def test_crossover_is_where_all_mla_overtakes(preset):
+    cfg = load_preset(preset)
+    c = crossover_context(cfg)
+    hybrid = state_curve(cfg, [c - 1, c])
+    all_mla = state_curve(cfg, [c - 1, c], all_mla=True)
+    assert hybrid[0] >= all_mla[0] and hybrid[1] < all_mla[1]
+
+
+def test_k3_crossover_by_hand():
+    # fixed KDA state + rings, over the latent rows per token that 69 KDA layers do not keep
+    fixed = 69 * 96 * 128 * 128 * 4 + 69 * 3 * 3 * 12288 * 4
+    assert crossover_context(load_preset("k3")) == fixed // (69 * 576 * 4) + 1 == 2923
+
+
+def test_target_config_reads_presets_and_config_files(tmp_path):
+    assert target_config("tiny")[1].hidden_size == 64
+    (tmp_path / "config.json").write_text(json.dumps(preset_dict("mini")))
+    name, cfg = target_config(str(tmp_path))
+    assert name == tmp_path.name and cfg == load_preset("mini")
+
+
+def test_budget_summary_names_the_figures():
+    plan = make_plan("tiny", scheme="f32", context=1024, ram=2 * MiB)
+    text = budget_summary(plan, decode_speed_bound(plan, 0.5, 7.0))
+    assert f"{plan.experts_fit:,d} of 32 experts fit" in text and "tok/s" in text
+    short = make_plan("tiny", scheme="f32", ram="100K")
+    assert "does NOT fit" in budget_summary(short, decode_speed_bound(short, 0.5, 7.0))

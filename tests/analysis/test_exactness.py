@@ -1,0 +1,30 @@
+"""The seed-format kernel comparison: inputs, errors and the table."""
+
+import numpy as np
+
+from waste.analysis.exactness import SEED_SHAPES, dims_label, format_seed_table, kda_errors, random_kda_inputs
+
+
+def test_inputs_have_the_documented_ranges():
+    x = random_kda_inputs(5, 2, 8, 4, seed=3)
+    assert x["q"].shape == x["k"].shape == x["g"].shape == (5, 2, 8) and x["v"].shape == (5, 2, 4)
+    assert all(a.dtype == np.float32 for a in x.values())
+    assert (x["g"] < 0).all() and ((x["beta"] > 0) & (x["beta"] < 1)).all()
+    again = random_kda_inputs(5, 2, 8, 4, seed=3)
+    assert all(np.array_equal(x[n], again[n]) for n in x)
+
+
+def test_seed_shapes_and_labels():
+    assert SEED_SHAPES == ((24, 4, 32, 32), (64, 32, 128, 128))
+    assert dims_label(24, 4, 32, 32) == "T=24, H=4, K=V=32"
+    assert dims_label(3, 1, 8, 4) == "T=3, H=1, K=8, V=4"
+
+
+def test_kernels_agree_with_the_reference_on_small_shapes():
+    rows = kda_errors([(7, 2, 8, 8), (20, 3, 16, 8)], seed=1, chunk_size=4)
+    assert len(rows) == 6
+    for r in rows:
+        assert 0 <= r.output < 1e-5 and 0 <= r.state < 1e-5, r
+    table = format_seed_table(rows)
+    assert table.count("| dims | output max\\|diff\\| | state max\\|diff\\| |") == 3
+    assert "| T=7, H=2, K=V=8 |" in table and "chunk_kda (chunk 4) against recurrent_kda:" in table

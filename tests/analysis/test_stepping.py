@@ -1,0 +1,90 @@
+"""Stepping one token at a time collects what the engine computed, and changes nothing."""
+
+import numpy as np
+import pytest
+
+from waste.analysis.cache_sim import recorded, simulate
+from waste.analysis.stepping import (
+    Stepper,
+    notebook_container,
+    random_prompt,
+    record_trace,
+)
+from waste.container.reader import open_container
+from waste.engine.check import HiddenCapture
+from waste.engine.model import Model
+from waste.engine.runner import generate
+from waste.engine.sampling import Sampler
+from waste.errors import WasteError
+from waste.testing import tiny_container
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_container(tmp_path_factory, quant="f32")
+
+
+def test_notebook_container_builds_once_and_accepts_a_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("WASTE_NOTEBOOK_WORKDIR", str(tmp_path))
+    built = notebook_container()
+    assert built.parent == tmp_path and (built / "manifest.json").is_file()
+    stamp = (built / "manifest.json").stat().st_mtime_ns
+    assert notebook_container() == built and (built / "manifest.json").stat().st_mtime_ns == stamp
+    assert notebook_container(built) == built
+    with pytest.raises(WasteError, match="not a .waste container"):
+        notebook_container(tmp_path)
+
+
+def test_recorded_trace_covers_every_token_and_layer(tiny):
+    prompt = random_prompt(512, 20, seed=1)
+    trace = record_trace(tiny, prompt, 5, chunk=8, cache_experts=16)
+    with open_container(tiny) as c:
+        cfg = c.config
+    assert len(trace) == 25 * len(cfg.moe_layers)
+    assert trace.top_k == cfg.num_experts_per_token and trace.num_experts == cfg.num_experts
+    assert (trace.select_phase("decode").position >= 20).all()
+    assert trace.metadata["cache_experts"] == 16 and 0 < trace.hit.mean() < 1
+    # The store's hits are the ones its cache policy gives on this trace.
+    assert (simulate(trace, "lru", 16).hit == recorded(trace).hit).all()
+
+
+def test_stepping_matches_a_plain_run_and_the_session(tiny):
+    prompt = random_prompt(512, 10, seed=2)
+    with open_container(tiny) as c:
+        cfg = c.config
+        model = Model(c)
+        plain = generate(model, model.new_session(16), prompt, 3, Sampler(), chunk=4)
+        stepper = Stepper(model, prompt, chunk=4)
+        records = [stepper.step() for _ in range(3)]
+        # The greedy token after each step is what a plain greedy run generates next.
+        assert [r.token for r in records] == plain.generated
+        assert np.array_equal(records[-1].logits, plain.logits[-1])
+        last = records[-1]
+        assert last.position == len(prompt) + 2
+        for rec in last.layers:
+            if rec.kind == "kda":
+                H, K = cfg.kda_num_heads, cfg.kda_head_dim
+                # inspect_decode ran on a copy with the same input: its state is the session's.
+                np.testing.assert_array_equal(rec.state, stepper.session.kda[rec.layer].recurrent)
+                assert rec.decay.shape == (H, K) and ((rec.decay > 0) & (rec.decay <= 1)).all()
+                assert rec.beta.shape == (H,) and ((rec.beta > 0) & (rec.beta < 1)).all()
+                assert rec.attention is None
+            else:
+                assert rec.attention.shape == (cfg.mla_num_heads, last.position + 1)
+                np.testing.assert_allclose(rec.attention.sum(axis=1), 1.0, rtol=1e-5)
+                assert rec.state is None
+            if rec.layer in cfg.moe_layers:
+                assert rec.expert_ids.shape == (cfg.num_experts_per_token,)
+                np.testing.assert_allclose(rec.expert_weights.sum(), cfg.routed_scaling_factor, rtol=1e-5)
+        # Hidden-state norms agree with one prefill over the same tokens.
+        ids = prompt + [r.token for r in records]
+        capture = HiddenCapture(cfg.num_layers, cfg.hidden_size, len(ids))
+        model.prefill(model.new_session(len(ids)), ids, observer=capture)
+        want = np.linalg.norm(capture.hidden[:, -1].astype(np.float64), axis=-1)
+        np.testing.assert_allclose(last.hidden_norms, want, rtol=1e-5)
+        for layer in range(cfg.num_layers):
+            assert last.plot(layer).axes
+        with pytest.raises(WasteError):
+            stepper.step(cfg.vocab_size)
+        with pytest.raises(WasteError):
+            last.plot(cfg.num_layers)

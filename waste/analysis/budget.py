@@ -1,0 +1,180 @@
+"""Numbers behind the planning notebooks: a plan split into parts, the state curve against
+context, and the decode speed bound that an expert cache of a given hit rate allows.
+
+Decode speed bound. One decoded token reads, at the least:
+- the trunk weights it multiplies by (everything resident except the embedding table, of
+  which it reads one row) plus the session state (KDA states and conv rings read and
+  written, the MLA latent read over the whole context): from RAM at `mem_gbps`;
+- the routed experts it selects, `plan.touched_per_token` bytes: the fraction `1 - hit_rate`
+  missing from the RAM cache is read from NVMe at `nvme_gbps` into RAM; all of them, cached
+  or just read, then pass through the cores from RAM at `mem_gbps`. (The DMA writes of the
+  missed experts into RAM are left out: leaving traffic out keeps the figure a bound.)
+With the two transfers perfectly overlapped the token takes max(nvme, memory) seconds;
+done one after the other it takes their sum. `DecodeBound.tokens_per_second` is the
+overlapped figure, an upper bound no engine on that hardware can beat; `serial_tokens_per_second`
+is the no-overlap figure. Compute is left out on purpose: on CPU at batch 1 the step is
+bandwidth-bound, and leaving compute out keeps the figure a bound. Bandwidths are in
+decimal GB/s (1e9 bytes per second), as drive and memory vendors quote them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from waste.config import ModelConfig
+from waste.errors import WasteError
+from waste.plan import Plan, all_mla_state_bytes, state_bytes
+
+# Segment names of a plan in the order the stacked bars draw them.
+PLAN_PARTS = ("kda_state", "conv_rings", "mla_latent", "trunk", "experts")
+PLAN_PART_LABELS = {
+    "kda_state": "KDA state",
+    "conv_rings": "conv rings",
+    "mla_latent": "MLA latent",
+    "trunk": "trunk weights",
+    "experts": "routed experts",
+    "expert_cache": "expert cache",
+    "free": "unused",
+}
+GB = 1e9
+
+
+def plan_breakdown(plan: Plan) -> dict[str, int]:
+    """Bytes of each part of a plan, keyed by PLAN_PARTS (experts: all of them, on disk)."""
+    return {
+        "kda_state": plan.state.kda_state,
+        "conv_rings": plan.state.conv_rings,
+        "mla_latent": plan.state.mla_latent,
+        "trunk": plan.weights.trunk,
+        "experts": plan.weights.experts_total,
+    }
+
+
+def ram_breakdown(plan: Plan) -> dict[str, int]:
+    """What RAM holds under the plan's budget: state parts, trunk, the expert cache (whole
+    experts that fit) and what is left unused. Needs `plan.ram`; when the resident part does
+    not fit, the cache is empty and `free` is negative (the shortfall)."""
+    if plan.ram is None:
+        raise WasteError("ram_breakdown needs a plan made with a RAM budget (ram=...)")
+    cache = (plan.experts_fit or 0) * plan.weights.per_expert
+    parts = {k: v for k, v in plan_breakdown(plan).items() if k != "experts"}
+    parts["expert_cache"] = cache
+    parts["free"] = plan.ram - plan.resident - cache
+    return parts
+
+
+def cache_fraction(plan: Plan) -> float:
+    """Fraction of all routed experts the plan's RAM budget can cache (0 without a budget)."""
+    total = plan.config.num_experts * plan.weights.expert_layers
+    return (plan.experts_fit or 0) / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class DecodeBound:
+    """Bytes one decoded token moves and the speed bounds that follow (see the module docstring)."""
+
+    hit_rate: float
+    nvme_bytes: int  # expert bytes missed, read from NVMe
+    memory_bytes: int  # trunk + state + every expert byte of the token, read from RAM
+    nvme_seconds: float
+    memory_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Upper bound with NVMe reads and RAM reads fully overlapped."""
+        return 1.0 / max(self.nvme_seconds, self.memory_seconds)
+
+    @property
+    def serial_tokens_per_second(self) -> float:
+        """Bound with no overlap: NVMe time plus RAM time."""
+        return 1.0 / (self.nvme_seconds + self.memory_seconds)
+
+    @property
+    def limited_by(self) -> str:
+        return "nvme" if self.nvme_seconds >= self.memory_seconds else "memory"
+
+
+def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: float = 60.0) -> DecodeBound:
+    """Speed bound of one decoded token at an expert-cache hit rate in [0, 1]; bandwidths in GB/s."""
+    if not 0.0 <= hit_rate <= 1.0:
+        raise WasteError(f"hit rate {hit_rate}: expected a fraction between 0 and 1")
+    if nvme_gbps <= 0 or mem_gbps <= 0:
+        raise WasteError(f"bandwidths must be positive, got NVMe {nvme_gbps} GB/s and memory {mem_gbps} GB/s")
+    experts = plan.touched_per_token
+    missed = int(round((1.0 - hit_rate) * experts))
+    trunk_read = plan.weights.trunk - plan.weights.by_class.get("embedding", 0)
+    # KDA state and conv rings are read and written back; the latent cache is only read.
+    state_traffic = 2 * (plan.state.kda_state + plan.state.conv_rings) + plan.state.mla_latent
+    memory = trunk_read + state_traffic + experts
+    return DecodeBound(
+        hit_rate=float(hit_rate),
+        nvme_bytes=missed,
+        memory_bytes=memory,
+        nvme_seconds=missed / (nvme_gbps * GB),
+        memory_seconds=memory / (mem_gbps * GB),
+    )
+
+
+def state_curve(cfg: ModelConfig, contexts: Sequence[int], dtype: str = "f32", *, all_mla: bool = False) -> np.ndarray:
+    """Attention-side state bytes [len(contexts)] int64 at each context: the model as it is
+    (KDA state + conv rings + MLA latent) or, with all_mla, every layer MLA."""
+    if all_mla:
+        values = [all_mla_state_bytes(cfg, int(c), dtype) for c in contexts]
+    else:
+        values = [state_bytes(cfg, int(c), dtype).total for c in contexts]
+    return np.asarray(values, np.int64)
+
+
+def crossover_context(cfg: ModelConfig, dtype: str = "f32") -> int:
+    """The smallest context at which the hybrid needs less attention state than all-MLA.
+
+    The hybrid's fixed KDA part must be paid for by the latent rows its KDA layers do not
+    cache: fixed / (n_kda x latent row bytes), rounded up (plus one when it divides exactly).
+    """
+    fixed = state_bytes(cfg, 0, dtype).total
+    per_token_saved = all_mla_state_bytes(cfg, 1, dtype) - state_bytes(cfg, 1, dtype).mla_latent
+    if per_token_saved <= 0:
+        raise WasteError("crossover_context: the model has no KDA layers, so nothing is saved")
+    return fixed // per_token_saved + 1
+
+
+def target_config(target: str) -> tuple[str, ModelConfig]:
+    """(name, config) of a preset name, config.json or container path (the container is closed)."""
+    from waste.plan import load_target
+
+    name, cfg, container = load_target(str(target))
+    if container is not None:
+        container.close()
+    return name, cfg
+
+
+def state_curves(configs: dict[str, ModelConfig], contexts: Sequence[int], dtype: str = "f32") -> dict[str, np.ndarray]:
+    """For each named config, the curve as it is (label: name) and with every layer MLA
+    (label: "name, all MLA"); bytes per context."""
+    out: dict[str, np.ndarray] = {}
+    for name, cfg in configs.items():
+        out[name] = state_curve(cfg, contexts, dtype)
+        out[f"{name}, all MLA"] = state_curve(cfg, contexts, dtype, all_mla=True)
+    return out
+
+
+def budget_summary(plan: Plan, bound: DecodeBound) -> str:
+    """Lines the RAM-budget control prints: cache size, experts that fit, the speed bound."""
+    from waste.units import human_bytes
+
+    total = plan.config.num_experts * plan.weights.expert_layers
+    room = plan.cache_room or 0
+    lines = [
+        f"{plan.name}: RAM budget {human_bytes(plan.ram or 0)}, resident trunk + state {human_bytes(plan.resident)}",
+        (f"expert cache {human_bytes(room)}: {plan.experts_fit:,d} of {total:,d} experts fit "
+         f"({100 * cache_fraction(plan):.1f}%, the hit rate of uniform routing)") if room >= 0 else
+        f"does NOT fit: short by {human_bytes(-room)}, no room for an expert cache",
+        f"per token: {human_bytes(plan.touched_per_token)} of experts, {human_bytes(bound.nvme_bytes)} missed "
+        f"at hit rate {bound.hit_rate:.0%}, {human_bytes(bound.memory_bytes)} read from RAM",
+        f"decode bound: {bound.tokens_per_second:.2f} tok/s with NVMe and RAM reads overlapped "
+        f"({bound.serial_tokens_per_second:.2f} tok/s one after the other), limited by {bound.limited_by}",
+    ]
+    return "\n".join(lines)
