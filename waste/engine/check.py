@@ -4,6 +4,12 @@ The engine prefills the prompt, then greedily decodes `new` tokens; the oracle r
 over prompt + generated tokens with no cache. Every position is compared: prompt positions
 come from prefill, the rest from decode steps, so this also checks that prefill then
 decode equals one full pass.
+
+Routing is discrete: on a quantised container a near-tie between two experts can go the
+other way in the engine, and one such flip moves a hidden state by far more than the
+rounding that caused it. For quantised schemes the oracle therefore applies the experts
+the engine chose (its own router still computes the weights), and the report gives how
+often the oracle's own choice agrees. On f32 containers nothing is forced.
 """
 
 from __future__ import annotations
@@ -20,21 +26,26 @@ from waste.engine.sampling import Sampler
 # Relative L2 error allowed by default, per container scheme. f32 is the issue's 1e-5 (the
 # seed's C engine reached 1.58e-06 end to end). Quantised schemes store the same weights
 # the oracle dequantises, but the engine also rounds activations to int8 per group of 32
-# before each quantised product, which costs about 1% per matmul on random weights.
-DEFAULT_TOLERANCE = {"f32": 1e-5, "q8": 5e-2, "q4": 5e-2}
+# before each quantised product (about 0.3% per product on tiny) and the error compounds
+# through the layers.
+DEFAULT_TOLERANCE = {"f32": 1e-5, "q8": 3e-2, "q4": 3e-2}
+FORCE_ROUTING = {"f32": False, "q8": True, "q4": True}
 
 
 class HiddenCapture:
-    """Observer that keeps every layer's output hidden state, by position."""
+    """Observer that keeps every layer's output hidden state and routing, by position."""
 
-    def __init__(self, num_layers: int, hidden: int, total_positions: int):
+    def __init__(self, num_layers: int, hidden: int, total_positions: int, top_k: int):
         self.hidden = np.full((num_layers, total_positions, hidden), np.nan, np.float32)
+        self.routing: dict[int, np.ndarray] = {}
+        self.total_positions, self.top_k = total_positions, top_k
 
     def on_layer(self, layer: int, positions: np.ndarray, hidden: np.ndarray) -> None:
         self.hidden[layer, positions] = hidden
 
     def on_routing(self, layer, positions, phase, routing, hits) -> None:  # noqa: ANN001
-        return None
+        ids = self.routing.setdefault(layer, np.full((self.total_positions, self.top_k), -1, np.int64))
+        ids[positions] = routing.ids
 
 
 def relative_l2(a: np.ndarray, b: np.ndarray) -> float:
@@ -58,6 +69,8 @@ class CheckReport:
     greedy_agree: int
     greedy_required: int
     greedy_disagreements: list[int] = field(default_factory=list)  # positions with a clear margin that disagree
+    routing_forced: bool = False
+    routing_agreement: float = 1.0  # fraction of (token, MoE layer) where both chose the same expert set
 
     @property
     def passed(self) -> bool:
@@ -75,6 +88,8 @@ class CheckReport:
         lines.append(f"  greedy agreement: {self.greedy_agree}/{len(self.ids)} positions; "
                      f"{self.greedy_required} have a top-2 margin above tolerance, "
                      f"{len(self.greedy_disagreements)} of those disagree")
+        forced = " (the oracle applied the engine's experts)" if self.routing_forced else ""
+        lines.append(f"  routing agreement: {100 * self.routing_agreement:.2f}% of token-layer expert sets{forced}")
         lines.append("  PASS" if self.passed else "  FAIL")
         return "\n".join(lines)
 
@@ -96,12 +111,15 @@ def check_against_oracle(
     model = model or Model(container)
     oracle = oracle or ReferenceModel(container)
     total = len(prompt) + new
-    capture = HiddenCapture(cfg.num_layers, cfg.hidden_size, total)
+    capture = HiddenCapture(cfg.num_layers, cfg.hidden_size, total, cfg.num_experts_per_token)
     session = model.new_session(capacity=total)
     run = generate(model, session, prompt, new, Sampler(), chunk=chunk, observer=capture)
     ids = list(prompt) + run.generated
     engine_logits = run.all_logits()
-    ref = oracle.forward(ids)
+    force = FORCE_ROUTING[container.scheme]
+    ref = oracle.forward(ids, forced_routing=capture.routing if force else None)
+    agreement = [np.mean(np.all(np.sort(capture.routing[layer], axis=1) == np.sort(own, axis=1), axis=1))
+                 for layer, own in ref.routing.items()]
     layer_errors = [relative_l2(capture.hidden[i], ref.hidden_states[i + 1]) for i in range(cfg.num_layers)]
     ref_logits = ref.logits
     # A position's greedy choice is only well defined when its top-2 margin exceeds what an
@@ -122,4 +140,6 @@ def check_against_oracle(
         greedy_agree=int(agree.sum()),
         greedy_required=int(required.sum()),
         greedy_disagreements=[int(p) for p in np.flatnonzero(required & ~agree)],
+        routing_forced=force,
+        routing_agreement=float(np.mean(agreement)) if agreement else 1.0,
     )

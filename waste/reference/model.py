@@ -128,8 +128,12 @@ class ReferenceModel:
             w[n] = self.tensor(p + n)
         return naive_kda_layer(x, w, cfg)[0]
 
-    def ffn(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """FFN of `layer` on x [T, hidden] (after post_attention_layernorm) -> (y, routed ids or None)."""
+    def ffn(self, layer: int, x: np.ndarray, forced_ids: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray | None]:
+        """FFN of `layer` on x [T, hidden] (after post_attention_layernorm) -> (y, routed ids or None).
+
+        The ids are the oracle's own choice; `forced_ids` [T, k] sets the experts applied instead.
+        """
         cfg = self.config
         if layer < cfg.first_k_dense_replace:
             p = f"model.layers.{layer}.mlp."
@@ -143,11 +147,16 @@ class ReferenceModel:
             lambda e: self.expert(layer, e), shared,
             top_k=cfg.num_experts_per_token, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
             renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor, router_weights=self.router_weights,
+            forced_ids=forced_ids,
         )
         return y, ids
 
-    def forward(self, ids: Sequence[int]) -> ReferenceOutput:
-        """Token ids [T] -> logits [T, vocab] float64 and every layer's hidden state."""
+    def forward(self, ids: Sequence[int], forced_routing: dict[int, np.ndarray] | None = None) -> ReferenceOutput:
+        """Token ids [T] -> logits [T, vocab] float64 and every layer's hidden state.
+
+        `forced_routing` {MoE layer: ids [T, k]} makes those layers apply the given experts
+        (e.g. the engine's) while `routing` still reports the oracle's own choice.
+        """
         cfg = self.config
         a = np.asarray(ids, np.int64).reshape(-1)
         if a.size == 0:
@@ -164,7 +173,7 @@ class ReferenceModel:
             x = rms_norm(h, self.tensor(p + "input_layernorm.weight"), eps)
             h = h + (self.mla(layer, x) if kind == "mla" else self.kda(layer, x))
             x = rms_norm(h, self.tensor(p + "post_attention_layernorm.weight"), eps)
-            y, routed = self.ffn(layer, x)
+            y, routed = self.ffn(layer, x, None if forced_routing is None else forced_routing.get(layer))
             if routed is not None:
                 routing[layer] = routed
             h = h + y

@@ -26,8 +26,14 @@ def route(
     renormalize: bool = True,
     scaling: float = 1.0,
     router_weights: str = "unbiased",
+    forced_ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """logits [T, E] -> (ids [T, k] int64 in rank order, weights [T, k] float64)."""
+    """logits [T, E] -> (ids [T, k] int64 in rank order, weights [T, k] float64).
+
+    `forced_ids` [T, k] replaces the choice (the weights still come from these scores):
+    it lets a check follow another engine's routing through a near-tie instead of
+    jumping to a different set of experts.
+    """
     logits = np.asarray(logits, np.float64)
     bias = np.asarray(bias, np.float64)
     T, E = logits.shape
@@ -43,7 +49,7 @@ def route(
             groups.append((-sum(members[:2]), g))
         kept = {g for _, g in sorted(groups)[:topk_group]}
         candidates = [(-c[e], e) for e in range(E) if e // size in kept]
-        chosen = [e for _, e in sorted(candidates)[:top_k]]
+        chosen = [e for _, e in sorted(candidates)[:top_k]] if forced_ids is None else list(forced_ids[t])
         w = np.array([c[e] if router_weights == "biased" else s[e] for e in chosen])
         if renormalize:
             w = w / (w.sum() + 1e-20)
@@ -76,23 +82,27 @@ def moe_ffn(
     renormalize: bool = True,
     scaling: float = 1.0,
     router_weights: str = "unbiased",
+    forced_ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Routed experts plus the (unscaled) shared expert, token by token.
 
     x [T, hidden]; router_weight [E, hidden]; expert(e) -> float64 (w1 gate, w3 up, w2 down).
-    Returns (y [T, hidden], ids [T, k], weights [T, k]).
+    Returns (y [T, hidden], ids [T, k], weights [T, k]); `ids` is always this router's own
+    choice, also when `forced_ids` [T, k] sets the experts actually applied.
     """
     x = np.asarray(x, np.float64)
     logits = x @ np.asarray(router_weight, np.float64).T
-    ids, weights = route(
-        logits, bias, top_k=top_k, num_groups=num_groups, topk_group=topk_group,
-        renormalize=renormalize, scaling=scaling, router_weights=router_weights,
-    )
+    options = dict(top_k=top_k, num_groups=num_groups, topk_group=topk_group, renormalize=renormalize,
+                   scaling=scaling, router_weights=router_weights)
+    own_ids, weights = route(logits, bias, **options)
+    ids = own_ids
+    if forced_ids is not None:
+        ids, weights = route(logits, bias, forced_ids=forced_ids, **options)
     y = np.zeros_like(x)
     for t in range(x.shape[0]):
         for e, w in zip(ids[t], weights[t], strict=True):
             y[t] += w * swiglu(x[t : t + 1], *expert(int(e)))[0]
     if shared is not None:
         y += swiglu(x, *shared)
-    return y, ids, weights
+    return y, own_ids, weights
 

@@ -1,0 +1,138 @@
+"""The engine against the float64 oracle on tiny containers, prefill/decode consistency, bad input."""
+
+import numpy as np
+import pytest
+
+from waste.cli import main
+from waste.container.reader import open_container
+from waste.engine.check import check_against_oracle
+from waste.engine.model import Model
+from waste.engine.runner import generate
+from waste.engine.sampling import Sampler
+from waste.reference.model import ReferenceModel
+from waste.testing import tiny_container
+
+VARIANTS = {
+    "kimi-linear": None,
+    "q-lora": {"q_lora_rank": 24},
+    "expert-groups": {"num_expert_group": 4, "topk_group": 2},
+    "k3-gates": {"linear_attn_config": {"gate_lower_bound": -5.0, "use_full_rank_gate": True},
+                 "mla_use_output_gate": True},
+}
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return {name: tiny_container(root / name, quant="f32", overrides=o) for name, o in VARIANTS.items()}
+
+
+def _prompt(n, vocab, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_engine_matches_oracle_per_layer(containers, variant):
+    with open_container(containers[variant]) as c:
+        # 80 prompt tokens: longer than a 64-token KDA chunk, several 32-token prefill chunks.
+        report = check_against_oracle(c, _prompt(80, c.config.vocab_size), 6)
+    assert max(report.layer_errors) <= 1e-5, report.format()
+    assert report.logits_error <= 1e-5, report.format()
+    assert report.greedy_required > 0 and not report.greedy_disagreements, report.format()
+
+
+def test_prefill_chunk_sizes_agree(containers):
+    with open_container(containers["kimi-linear"]) as c:
+        model = Model(c)
+        prompt = _prompt(45, c.config.vocab_size, seed=1)
+        runs = {}
+        for chunk in (1, 7, 32):
+            session = model.new_session()
+            runs[chunk] = generate(model, session, prompt, 5, Sampler(), chunk=chunk)
+    base = runs[32].all_logits()
+    for chunk in (1, 7):
+        np.testing.assert_allclose(runs[chunk].all_logits(), base, rtol=0, atol=1e-6 * np.abs(base).max())
+        assert runs[chunk].generated == runs[32].generated
+
+
+def test_biased_router_weights_follow_the_remote_code(containers):
+    with open_container(containers["kimi-linear"]) as c:
+        ids = _prompt(12, c.config.vocab_size, seed=2)
+        engine = {}
+        for mode in ("unbiased", "biased"):
+            model = Model(c, router_weights=mode)
+            engine[mode] = model.prefill(model.new_session(), ids)
+            ref = ReferenceModel(c, router_weights=mode).forward(ids).logits
+            np.testing.assert_allclose(engine[mode], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert not np.allclose(engine["unbiased"], engine["biased"])
+
+
+def test_sampling_is_seeded(containers):
+    with open_container(containers["kimi-linear"]) as c:
+        model = Model(c)
+        prompt = _prompt(8, c.config.vocab_size, seed=3)
+        out = [generate(model, model.new_session(), prompt, 12, Sampler(1.0, 0.9, seed=s)).generated
+               for s in (5, 5, 6)]
+    assert out[0] == out[1] and out[0] != out[2]
+
+
+def test_run_cli_writes_logits(containers, tmp_path, capsys):
+    path = containers["kimi-linear"]
+    logits = tmp_path / "logits.npy"
+    assert main(["run", str(path), "--prompt-ids", "1,2,3,4,5", "--max-new", "4", "--logits-out", str(logits)]) == 0
+    out = capsys.readouterr().out
+    assert "generated:" in out and "tok/s" in out
+    a = np.load(logits)
+    assert a.shape == (5 + 4, 512) and a.dtype == np.float32 and np.isfinite(a).all()
+
+
+def test_check_cli_passes_on_f32(containers, capsys):
+    assert main(["check", str(containers["kimi-linear"]), "--prompt-len", "20", "--new", "4"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--prompt-ids", "1,2,512"], "token id 512 is outside the vocabulary"),
+        (["--prompt-ids", "1,x"], "'x' is not a token id"),
+        ([], "the prompt is empty"),
+        (["--prompt-ids", "1", "--max-new", "5000"], "exceeds the model's capacity"),
+        (["--prompt-ids", "1", "--prefill-chunk", "0"], "--prefill-chunk 0"),
+    ],
+)
+def test_run_bad_input_exits_2(containers, extra, message, capsys):
+    assert main(["run", str(containers["kimi-linear"]), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_run_missing_container_exits_2(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "absent.waste"), "--prompt-ids", "1"]) == 2
+    assert "absent.waste" in capsys.readouterr().err
+
+
+def test_quantised_check_follows_the_engine_routing(tmp_path):
+    path = tiny_container(tmp_path / "q4", quant="q4")
+    with open_container(path) as c:
+        report = check_against_oracle(c, _prompt(40, c.config.vocab_size, seed=4), 4)
+    assert report.routing_forced and report.passed, report.format()
+    assert 0.9 < report.routing_agreement <= 1.0
+    # Errors grow smoothly through the layers once no routing flip can jump them.
+    assert max(report.layer_errors) < 3e-2 and report.layer_errors[0] < 1e-2
+
+
+def test_reference_router_forced_ids_keep_its_own_weights():
+    from waste.reference.moe import route
+
+    logits = np.random.default_rng(5).normal(size=(6, 8))
+    bias = np.zeros(8)
+    ids, weights = route(logits, bias, top_k=2, scaling=2.0)
+    same_ids, same_weights = route(logits, bias, top_k=2, scaling=2.0, forced_ids=ids)
+    np.testing.assert_array_equal(same_ids, ids)
+    np.testing.assert_array_equal(same_weights, weights)
+    other = (ids + 1) % 8
+    forced_ids, forced_weights = route(logits, bias, top_k=2, scaling=2.0, forced_ids=other)
+    np.testing.assert_array_equal(forced_ids, other)
+    s = 1 / (1 + np.exp(-logits[0, other[0]]))
+    np.testing.assert_allclose(forced_weights[0], 2.0 * s / s.sum())
