@@ -1,0 +1,136 @@
+"""The KDA layer (projections, conv rings, gates, recurrence, gated norm, o_proj) against the
+float64 layer oracle, and its state handling.
+
+Tolerance: the float32 projections over hidden = 2304 inputs dominate (about 1e-6 relative
+each, four matmuls deep); 1e-5 of each quantity's scale leaves a margin and still catches
+any wiring error, which shows up at O(1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from waste.config import ModelConfig, load_preset, parse_config, preset_dict
+from waste.engine.kda_layer import KDALayer, KDAState
+from waste.errors import WasteError
+from waste.kernels.quant import quantize
+from waste.reference.kda import naive_kda_layer
+
+RTOL = 1e-5
+PREFIX = "model.layers.1.self_attn."
+
+
+def _weights(cfg: ModelConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    H, K, hidden, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size, cfg.short_conv_kernel
+    HK = H * K
+
+    def mat(n: int, m: int) -> np.ndarray:
+        return rng.standard_normal((n, m), dtype=np.float32) / np.float32(np.sqrt(m))
+
+    w = {f"{n}_proj.weight": mat(HK, hidden) for n in "qkv"}
+    w |= {f"{n}_conv1d.weight": 0.5 * rng.standard_normal((HK, 1, W), dtype=np.float32) for n in "qkv"}
+    a_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
+    if cfg.kda_gate == "lower_bound":
+        w["A_log"] = np.concatenate([a_log, np.zeros(K - H, np.float32)])  # K3: [K] zero-padded past H
+    else:
+        w["A_log"] = a_log.reshape(1, 1, H, 1)
+    w["dt_bias"] = rng.standard_normal(HK, dtype=np.float32)
+    w |= {"f_a_proj.weight": mat(K, hidden), "f_b_proj.weight": mat(HK, K), "b_proj.weight": mat(H, hidden)}
+    if cfg.kda_full_rank_gate:
+        w["g_proj.weight"] = mat(HK, hidden)
+    else:
+        w |= {"g_a_proj.weight": mat(K, hidden), "g_b_proj.weight": mat(HK, K)}
+    w["o_norm.weight"] = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    w["o_proj.weight"] = mat(hidden, HK)
+    return w
+
+
+def _layer(cfg: ModelConfig, w: dict[str, np.ndarray]) -> KDALayer:
+    def strip(name: str) -> str:
+        assert name.startswith(PREFIX), name
+        return name[len(PREFIX):]
+
+    return KDALayer.from_weights(cfg, lambda n: quantize(w[strip(n)], "f32"), lambda n: w[strip(n)], PREFIX)
+
+
+def _k3_like(preset: str) -> ModelConfig:
+    d = copy.deepcopy(preset_dict(preset))
+    d["linear_attn_config"] |= {"gate_lower_bound": -5.0, "use_full_rank_gate": True}
+    return parse_config(d)
+
+
+def _close(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert np.all(np.isfinite(a)), what
+    err = float(np.max(np.abs(a - b)))
+    assert err <= RTOL * float(np.max(np.abs(b))), f"{what}: max abs error {err:.3g} vs scale {np.max(np.abs(b)):.3g}"
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-48b-a3b", "k3-like-tiny"])
+def test_layer_prefill_then_decode_matches_reference(preset: str) -> None:
+    cfg = _k3_like("tiny") if preset == "k3-like-tiny" else load_preset(preset)
+    rng = np.random.default_rng(31)
+    w = _weights(cfg, rng)
+    layer = _layer(cfg, w)
+    T1, T2 = 5, 2
+    x = rng.standard_normal((T1 + T2, cfg.hidden_size), dtype=np.float32)
+    state = layer.new_state()
+    y = np.concatenate([layer.prefill(x[:T1], state)] + [layer.decode(x[t], state)[None] for t in range(T1, T1 + T2)])
+    y_ref, s_ref, conv_ref = naive_kda_layer(x, w, cfg)
+    _close(y, y_ref, "y")
+    _close(state.recurrent, s_ref, "recurrent state")
+    _close(state.conv, conv_ref, "conv rings")
+    # a further chunk continues from the carried state and rings
+    x2 = rng.standard_normal((3, cfg.hidden_size), dtype=np.float32)
+    y2_ref, s2_ref, conv2_ref = naive_kda_layer(x2, w, cfg, initial_state=s_ref, conv_state=conv_ref)
+    _close(layer.prefill(x2, state), y2_ref, "y after the carried state")
+    _close(state.recurrent, s2_ref, "recurrent state after the second chunk")
+    _close(state.conv, conv2_ref, "conv rings after the second chunk")
+
+
+def test_prefill_then_decode_equals_one_prefill_and_state_helpers() -> None:
+    cfg = load_preset("tiny")
+    rng = np.random.default_rng(32)
+    layer = _layer(cfg, _weights(cfg, rng))
+    x = rng.standard_normal((9, cfg.hidden_size), dtype=np.float32)
+    one = layer.new_state()
+    y_one = layer.prefill(x, one)
+    split = layer.new_state()
+    y_split = [layer.prefill(x[:2], split)]  # shorter than the conv ring
+    snapshot = split.copy()
+    y_split += [layer.prefill(x[2:6], split)] + [layer.decode(x[t], split)[None] for t in range(6, 9)]
+    np.testing.assert_allclose(np.concatenate(y_split), y_one, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(split.recurrent, one.recurrent, rtol=1e-5, atol=1e-6)
+    # the rings hold projections, and a [T, hidden] matmul rounds differently from a matvec
+    np.testing.assert_allclose(split.conv, one.conv, rtol=1e-5, atol=1e-6)
+    # copy() is deep, nbytes counts both buffers
+    assert not np.array_equal(snapshot.recurrent, split.recurrent)
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    assert one.nbytes == 4 * (H * K * K + 3 * (cfg.short_conv_kernel - 1) * H * K)
+    # inspect_decode advances the state exactly like decode and exposes decay, beta, state
+    a, b = split.copy(), split.copy()
+    y_a = layer.decode(x[0], a)
+    info = layer.inspect_decode(x[0], b)
+    np.testing.assert_array_equal(info["y"], y_a)
+    np.testing.assert_array_equal(b.recurrent, a.recurrent)
+    np.testing.assert_array_equal(info["state"], a.recurrent)
+    assert info["decay"].shape == (H, K) and np.all((info["decay"] > 0) & (info["decay"] <= 1))
+    assert info["beta"].shape == (H,)
+
+
+def test_layer_rejects_bad_weights_and_state() -> None:
+    cfg = load_preset("tiny")
+    rng = np.random.default_rng(33)
+    w = _weights(cfg, rng)
+    bad = dict(w, **{"o_proj.weight": w["o_proj.weight"][:, :-1]})
+    with pytest.raises(WasteError, match="o_proj"):
+        _layer(cfg, bad)
+    bad = dict(w, A_log=np.zeros(3, np.float32))
+    with pytest.raises(WasteError, match="A_log"):
+        _layer(cfg, bad)
+    layer = _layer(cfg, w)
+    wrong = KDAState(np.zeros((1, 2, 2), np.float32), np.zeros((3, 3, 64), np.float32))
+    with pytest.raises(WasteError):
+        layer.decode(np.zeros(cfg.hidden_size, np.float32), wrong)

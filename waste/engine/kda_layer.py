@@ -1,0 +1,182 @@
+"""One KDA (Kimi Delta Attention) layer of a Kimi model: prefill a chunk, decode one token.
+
+    q, k, v = SiLU(conv4(W x))                      conv rings keep the last kernel-1 inputs
+    g = gate(W_fb W_fa x)                           softplus (Kimi-Linear) or lower-bound (K3)
+    beta = sigmoid(W_b x)
+    o, S = KDA(q, k, v, g, beta, S)                 waste.kernels.kda
+    y = W_o (RMSNorm_head(o) * sigmoid(W_gb W_ga x  |  W_g x))
+
+Input x is the layer input after input_layernorm; y is what the block adds to the residual
+stream. Shapes: x [T, hidden]; q, k, v, g [T, H, K] (V = K = head_dim); state [H, K, V].
+Weights come through `get_matrix` (QMatrix, any storage format) and `get_tensor` (float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from waste.config import ModelConfig
+from waste.errors import WasteError
+from waste.kernels.kda import (
+    a_log_per_head,
+    conv_taps,
+    gated_rmsnorm,
+    kda_decode_step,
+    kda_gate_lower_bound,
+    kda_gate_softplus,
+    prefill_kda,
+    short_conv_silu,
+    short_conv_silu_step,
+)
+from waste.kernels.quant import QMatrix
+
+GetMatrix = Callable[[str], QMatrix]
+GetTensor = Callable[[str], np.ndarray]
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32)
+
+
+@dataclass
+class KDAState:
+    """Session state of one KDA layer."""
+
+    recurrent: np.ndarray  # [H, K, V] float32, row-major by K
+    conv: np.ndarray  # [3, kernel-1, H*K] float32: last inputs of the q, k, v convs, oldest first
+
+    def copy(self) -> KDAState:
+        return KDAState(self.recurrent.copy(), self.conv.copy())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.recurrent.nbytes + self.conv.nbytes)
+
+
+class KDALayer:
+    """KDA attention: `prefill` for a chunk, `decode` for one token; both advance the state in place."""
+
+    def __init__(self, cfg: ModelConfig, *, qkv: tuple[QMatrix, QMatrix, QMatrix], conv_weights: list[np.ndarray],
+                 a_log: np.ndarray, dt_bias: np.ndarray, f_a: QMatrix, f_b: QMatrix, b_proj: QMatrix,
+                 gate: tuple[QMatrix, ...], o_norm: np.ndarray, o_proj: QMatrix):
+        self.H = cfg.kda_num_heads
+        self.K = cfg.kda_head_dim
+        self.W = cfg.short_conv_kernel
+        self.eps = float(cfg.rms_norm_eps)
+        self.lower_bound = cfg.gate_lower_bound if cfg.kda_gate == "lower_bound" else None
+        self.qkv = qkv
+        self.taps = [conv_taps(w) for w in conv_weights]  # 3 x [W, H*K]
+        self.a_log = a_log_per_head(a_log, self.H)  # [H]
+        self.dt_bias = np.ascontiguousarray(dt_bias, np.float32).reshape(-1)  # [H*K]
+        self.f_a, self.f_b, self.b_proj = f_a, f_b, b_proj
+        self.gate = gate  # (g_a, g_b) low rank, or (g_proj,) full rank
+        self.o_norm = np.ascontiguousarray(o_norm, np.float32).reshape(-1)  # [K]
+        self.o_proj = o_proj
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str) -> KDALayer:
+        """Build from a container; prefix like 'model.layers.3.self_attn.'."""
+        H, K, W, hidden = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel, cfg.hidden_size
+        HK = H * K
+
+        def matrix(name: str, shape: tuple[int, int]) -> QMatrix:
+            m = get_matrix(prefix + name)
+            if tuple(m.shape) != shape:
+                raise WasteError(f"{prefix}{name}: expected shape {list(shape)}, got {list(m.shape)}")
+            return m
+
+        def tensor(name: str, size: int) -> np.ndarray:
+            t = np.asarray(get_tensor(prefix + name), np.float32)
+            if t.size != size:
+                raise WasteError(f"{prefix}{name}: expected {size} values, got shape {list(t.shape)}")
+            return t
+
+        if cfg.kda_full_rank_gate:
+            gate: tuple[QMatrix, ...] = (matrix("g_proj.weight", (HK, hidden)),)
+        else:
+            gate = (matrix("g_a_proj.weight", (K, hidden)), matrix("g_b_proj.weight", (HK, K)))
+        a_log = np.asarray(get_tensor(prefix + "A_log"), np.float32)
+        if a_log.size not in (H, K):
+            raise WasteError(f"{prefix}A_log: expected {H} values (or {K} zero-padded), got shape {list(a_log.shape)}")
+        return cls(
+            cfg,
+            qkv=tuple(matrix(f"{n}_proj.weight", (HK, hidden)) for n in "qkv"),  # type: ignore[arg-type]
+            conv_weights=[tensor(f"{n}_conv1d.weight", HK * W).reshape(HK, 1, W) for n in "qkv"],
+            a_log=a_log,
+            dt_bias=tensor("dt_bias", HK),
+            f_a=matrix("f_a_proj.weight", (K, hidden)),
+            f_b=matrix("f_b_proj.weight", (HK, K)),
+            b_proj=matrix("b_proj.weight", (H, hidden)),
+            gate=gate,
+            o_norm=tensor("o_norm.weight", K),
+            o_proj=matrix("o_proj.weight", (hidden, HK)),
+        )
+
+    def new_state(self) -> KDAState:
+        """Zero recurrent state and zero conv history."""
+        HK = self.H * self.K
+        return KDAState(np.zeros((self.H, self.K, self.K), np.float32), np.zeros((3, self.W - 1, HK), np.float32))
+
+    def _decay(self, z: np.ndarray) -> np.ndarray:
+        """z [T, H*K] -> g [T, H, K] (log space)."""
+        if self.lower_bound is None:
+            return kda_gate_softplus(z, self.a_log, self.dt_bias, num_heads=self.H)
+        return kda_gate_lower_bound(z, self.a_log, self.dt_bias, self.lower_bound, num_heads=self.H)
+
+    def _output_gate(self, x: np.ndarray) -> np.ndarray:
+        """x [T, hidden] -> gate [T, H*K], or x [hidden] -> [H*K] (before the sigmoid)."""
+        if x.ndim == 1:
+            return self.gate[0].matvec(x) if len(self.gate) == 1 else self.gate[1].matvec(self.gate[0].matvec(x))
+        return self.gate[0].matmul(x) if len(self.gate) == 1 else self.gate[1].matmul(self.gate[0].matmul(x))
+
+    def _check_state(self, state: KDAState) -> None:
+        HK = self.H * self.K
+        if (state.recurrent.shape != (self.H, self.K, self.K) or state.conv.shape != (3, self.W - 1, HK)
+                or state.recurrent.dtype != np.float32 or state.conv.dtype != np.float32):
+            raise WasteError(f"KDA state does not fit this layer: recurrent {state.recurrent.shape}, "
+                             f"conv {state.conv.shape}; expected {(self.H, self.K, self.K)} and {(3, self.W - 1, HK)}")
+
+    def prefill(self, x: np.ndarray, state: KDAState) -> np.ndarray:
+        """A chunk x [T, hidden] -> y [T, hidden]; advances `state` past the chunk."""
+        x = np.ascontiguousarray(x, np.float32)
+        if x.ndim != 2:
+            raise WasteError(f"KDA prefill input must be [T, hidden], got shape {x.shape}")
+        self._check_state(state)
+        T, H, K = x.shape[0], self.H, self.K
+        q, k, v = (short_conv_silu(m.matmul(x), taps, state.conv[i]).reshape(T, H, K)
+                   for i, (m, taps) in enumerate(zip(self.qkv, self.taps, strict=True)))
+        g = self._decay(self.f_b.matmul(self.f_a.matmul(x)))
+        beta = _sigmoid(self.b_proj.matmul(x))
+        o, final = prefill_kda(q, k, v, g, beta, initial_state=state.recurrent)
+        state.recurrent[...] = final
+        o = gated_rmsnorm(o, self._output_gate(x), self.o_norm, self.eps)
+        return self.o_proj.matmul(o.reshape(T, H * K))
+
+    def _decode(self, x: np.ndarray, state: KDAState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        self._check_state(state)
+        H, K = self.H, self.K
+        q, k, v = (short_conv_silu_step(m.matvec(x), taps, state.conv[i]).reshape(H, K)
+                   for i, (m, taps) in enumerate(zip(self.qkv, self.taps, strict=True)))
+        g = self._decay(self.f_b.matvec(self.f_a.matvec(x))[None, :])[0]
+        beta = _sigmoid(self.b_proj.matvec(x))
+        o = kda_decode_step(q, k, v, g, beta, state.recurrent)
+        o = gated_rmsnorm(o, self._output_gate(x), self.o_norm, self.eps)
+        return self.o_proj.matvec(o.reshape(H * K)), g, beta
+
+    def decode(self, x: np.ndarray, state: KDAState) -> np.ndarray:
+        """One token x [hidden] -> y [hidden]; advances `state` by one token."""
+        return self._decode(x, state)[0]
+
+    def inspect_decode(self, x: np.ndarray, state: KDAState) -> dict[str, Any]:
+        """`decode` (it advances `state` too) plus what a notebook wants to look at.
+
+        Returns y [hidden], decay = exp(g) [H, K], beta [H], state = copy of the new recurrent state [H, K, V].
+        """
+        y, g, beta = self._decode(x, state)
+        return {"y": y, "decay": np.exp(g), "beta": beta, "state": state.recurrent.copy()}

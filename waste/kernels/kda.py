@@ -1,0 +1,582 @@
+"""Kimi Delta Attention (KDA) kernels: gates, short conv, gated RMSNorm, decode step, recurrence.
+
+Semantics (FACTS.md): per token and head, with q, k L2-normalised (eps 1e-6 inside the
+root) and q scaled by K^-0.5 after the norm,
+
+    S' = Diag(exp(g_t)) S;   S = S' + beta_t k_t (v_t - S'^T k_t)^T;   o_t = S^T q_t
+
+The decode step folds the decay into the vectors, S'^T x = S^T (exp(g) x), so per head one
+read-only pass over the state gives u = S^T (a k) and w = S^T (a q), and one read-write pass
+applies S = Diag(a) S + k d^T with d = beta (v - u); then o = w + (q . k) d.
+`recurrent_kda` runs each head through the sequence on a transposed [V, K] copy of its state,
+four tokens per pass over it (`_recurrent_head`; docs/KDA.md has the algebra and the timings).
+
+Shapes: q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; state [H, K, V] float32, row-major by K.
+All kernels are written as explicit loops with contiguous innermost loops so LLVM emits
+packed SIMD; `fexp` is a vectorisable float32 exp (Numba's math.exp is a scalar libm call).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from waste.errors import WasteError
+from waste.jit import kernel, parallel_kernel, prange
+
+L2_EPS = 1e-6
+SOFTPLUS_LINEAR_ABOVE = 20.0
+# The recurrence is faster than the chunked form at every length measured on this AVX-512
+# machine (T = 16 .. 4096, H = 32: 1.4-2x, bench/kda.py, docs/KDA.md), so prefill_kda never
+# switches to chunk_kda; a token count here would make it switch from that length on.
+CHUNK_PREFILL_MIN_TOKENS: int | None = None
+# recurrent_kda prepares the normalised q, k, decays and block coefficients of this many
+# tokens of one head at once (about 10 x 64 x K floats, in L2); a multiple of 4.
+SEQ_TILE_T = 64
+
+
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+    """Reinterpret int32 bits as float32 (a bitcast, so loops around it still vectorise)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+_EXP_LO = np.float32(-87.33654)
+_EXP_HI = np.float32(88.37626)
+
+
+@kernel
+def fexp(x):
+    """exp(x) in float32 to about 1 ulp; 0 below -87.3, NaN stays NaN. Vectorises, unlike math.exp."""
+    xc = min(max(x, _EXP_LO), _EXP_HI)
+    # np.floor keeps float32 (math.floor would return an int64 and drag the rest into float64)
+    n = np.floor(xc * np.float32(1.442695041) + np.float32(0.5))
+    # Cody-Waite split of ln 2 keeps r exact; the polynomial is the cephes expf minimax fit.
+    r = xc - n * np.float32(0.693359375)
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    e = p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    e = np.float32(0.0) if x < _EXP_LO else e
+    return e if x == x else x
+
+
+@kernel
+def fsigmoid(x):
+    """1 / (1 + exp(-x)) in float32, vectorisable."""
+    return np.float32(1.0) / (np.float32(1.0) + fexp(-x))
+
+
+@kernel
+def fsoftplus(x):
+    """log(1 + exp(x)) in float32, x itself above 20 (as the reference kernels), vectorisable."""
+    y = fexp(-abs(x))
+    # log1p(y) = 2 atanh(s) with s = y / (2 + y) <= 1/3: the odd series converges by 1/9 a term.
+    s = y / (np.float32(2.0) + y)
+    s2 = s * s
+    p = np.float32(1.0 / 17.0)
+    p = p * s2 + np.float32(1.0 / 15.0)
+    p = p * s2 + np.float32(1.0 / 13.0)
+    p = p * s2 + np.float32(1.0 / 11.0)
+    p = p * s2 + np.float32(1.0 / 9.0)
+    p = p * s2 + np.float32(1.0 / 7.0)
+    p = p * s2 + np.float32(1.0 / 5.0)
+    p = p * s2 + np.float32(1.0 / 3.0)
+    p = p * s2 + np.float32(1.0)
+    sp = max(x, np.float32(0.0)) + np.float32(2.0) * s * p
+    return x if x > np.float32(SOFTPLUS_LINEAR_ABOVE) else sp
+
+
+# ---------------------------------------------------------------------------------------------
+# gates
+
+
+def a_log_per_head(A_log: np.ndarray, num_heads: int) -> np.ndarray:
+    """A_log as [H] float32 from [1, 1, H, 1], [H], or [K] zero-padded past H."""
+    a = np.asarray(A_log, np.float32).reshape(-1)
+    if a.size == num_heads:
+        return np.ascontiguousarray(a)
+    if a.size > num_heads and not np.any(a[num_heads:]):
+        return np.ascontiguousarray(a[:num_heads])
+    raise WasteError(f"A_log of shape {np.shape(A_log)} does not hold one value per head for {num_heads} heads")
+
+
+def _gate_inputs(z, A_log, dt_bias, num_heads):
+    z = np.asarray(z, np.float32)
+    if z.ndim == 3:
+        T, H, K = z.shape
+    elif z.ndim == 2:
+        T, HK = z.shape
+        H = num_heads if num_heads is not None else _infer_heads(A_log, HK)
+        if HK % H:
+            raise WasteError(f"gate input width {HK} is not a multiple of {H} heads")
+        K = HK // H
+    else:
+        raise WasteError(f"gate input must be [T, H*K] or [T, H, K], got shape {z.shape}")
+    bias = np.asarray(dt_bias, np.float32).reshape(-1)
+    if bias.size != H * K:
+        raise WasteError(f"dt_bias has {bias.size} values, expected H*K = {H * K}")
+    zc = np.ascontiguousarray(z.reshape(T, H, K))
+    return zc, np.exp(a_log_per_head(A_log, H).astype(np.float64)).astype(np.float32), bias.reshape(H, K)
+
+
+def _infer_heads(A_log: np.ndarray, hk: int) -> int:
+    a = np.asarray(A_log).reshape(-1)
+    n = a.size
+    if n == 0:
+        raise WasteError("A_log is empty")
+    # A [K] vector whose tail is exactly zero is the zero-padded K3 form: H = H*K / K.
+    h_padded = hk // n
+    if hk % n == 0 and h_padded < n and not np.any(a[h_padded:]):
+        return h_padded
+    return n
+
+
+@parallel_kernel
+def _gate_kernel(z, a, bias, lower_bound, out):
+    T, H, K = z.shape
+    for t in prange(T):
+        for h in range(H):
+            ah = a[h]
+            for i in range(K):
+                x = z[t, h, i] + bias[h, i]
+                if lower_bound < 0:
+                    out[t, h, i] = np.float32(lower_bound) * fsigmoid(ah * x)
+                else:
+                    out[t, h, i] = -ah * fsoftplus(x)
+
+
+def kda_gate_softplus(z: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray, *,
+                      num_heads: int | None = None) -> np.ndarray:
+    """Kimi-Linear decay g = -exp(A_log[h]) * softplus(z + dt_bias): z [T, H*K] or [T, H, K] -> [T, H, K].
+
+    H comes from z [T, H, K], else `num_heads`, else A_log (a [K] vector zero-padded past H counts as H).
+    """
+    zc, a, bias = _gate_inputs(z, A_log, dt_bias, num_heads)
+    out = np.empty(zc.shape, np.float32)
+    _gate_kernel(zc, a, bias, 0.0, out)
+    return out
+
+
+def kda_gate_lower_bound(z: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray, lower_bound: float, *,
+                         num_heads: int | None = None) -> np.ndarray:
+    """K3 decay g = lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias)) -> [T, H, K] (lower_bound < 0)."""
+    if not lower_bound < 0:
+        raise WasteError(f"gate lower bound must be negative, got {lower_bound}")
+    zc, a, bias = _gate_inputs(z, A_log, dt_bias, num_heads)
+    out = np.empty(zc.shape, np.float32)
+    _gate_kernel(zc, a, bias, float(lower_bound), out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# short convolution with SiLU
+
+
+def conv_taps(w: np.ndarray) -> np.ndarray:
+    """Checkpoint conv weight [C, 1, W] (or [C, W]) -> taps-major [W, C] float32 for the kernels."""
+    w = np.asarray(w, np.float32)
+    if w.ndim == 3:
+        if w.shape[1] != 1:
+            raise WasteError(f"depthwise conv weight must be [C, 1, W], got {w.shape}")
+        w = w[:, 0, :]
+    if w.ndim != 2:
+        raise WasteError(f"conv weight must be [C, 1, W] or [C, W], got shape {w.shape}")
+    return np.ascontiguousarray(w.T)
+
+
+@parallel_kernel
+def _conv_seq_kernel(x, w, ring, y):
+    T, C = x.shape
+    W = w.shape[0]
+    R = W - 1
+    for t in prange(T):
+        for c in range(C):
+            y[t, c] = 0.0
+        for j in range(W):
+            # tap j sees input t - R + j; positions before the sequence come from the ring
+            s = t - R + j
+            src = x[s] if s >= 0 else ring[R + s]
+            for c in range(C):
+                y[t, c] += w[j, c] * src[c]
+        for c in range(C):
+            y[t, c] = y[t, c] * fsigmoid(y[t, c])
+
+
+@kernel
+def _conv_ring_update(x, ring):
+    T = x.shape[0]
+    R = ring.shape[0]
+    # the new ring is the last R rows of [ring; x]
+    if T >= R:
+        for r in range(R):
+            ring[r, :] = x[T - R + r, :]
+    else:
+        for r in range(R - T):
+            ring[r, :] = ring[r + T, :]
+        for r in range(T):
+            ring[R - T + r, :] = x[r, :]
+
+
+def short_conv_silu(x: np.ndarray, w_taps: np.ndarray, ring: np.ndarray) -> np.ndarray:
+    """Causal depthwise conv + SiLU over a sequence: x [T, C], w_taps [W, C], ring [W-1, C] -> y [T, C].
+
+    `ring` holds the W-1 inputs before x (oldest first, zeros at the start) and is left holding
+    the last W-1 inputs, exactly as token-by-token `short_conv_silu_step` would.
+    """
+    x = np.ascontiguousarray(x, np.float32)
+    _check_conv(x.shape[1], w_taps, ring)
+    y = np.empty_like(x)
+    _conv_seq_kernel(x, w_taps, ring, y)
+    _conv_ring_update(x, ring)
+    return y
+
+
+@kernel
+def _conv_step_kernel(x, w, ring, y):
+    C = x.shape[0]
+    R = ring.shape[0]
+    for c in range(C):
+        acc = w[R, c] * x[c]
+        for j in range(R):
+            acc += w[j, c] * ring[j, c]
+        y[c] = acc * fsigmoid(acc)
+    for r in range(R - 1):
+        for c in range(C):
+            ring[r, c] = ring[r + 1, c]
+    for c in range(C):
+        ring[R - 1, c] = x[c]
+
+
+def short_conv_silu_step(x: np.ndarray, w_taps: np.ndarray, ring: np.ndarray) -> np.ndarray:
+    """One decode step of the conv: x [C] -> y [C]; shifts x into `ring` [W-1, C]."""
+    x = np.ascontiguousarray(x, np.float32)
+    _check_conv(x.shape[0], w_taps, ring)
+    y = np.empty_like(x)
+    _conv_step_kernel(x, w_taps, ring, y)
+    return y
+
+
+def _check_conv(C: int, w_taps: np.ndarray, ring: np.ndarray) -> None:
+    if w_taps.dtype != np.float32 or w_taps.ndim != 2 or w_taps.shape[1] != C or not w_taps.flags.c_contiguous:
+        raise WasteError(f"conv taps must be contiguous float32 [W, {C}] (see conv_taps), got {w_taps.shape}")
+    R = w_taps.shape[0] - 1
+    if ring.dtype != np.float32 or ring.shape != (R, C) or not ring.flags.c_contiguous or R < 1:
+        raise WasteError(f"conv ring must be contiguous float32 [{R}, {C}], got {ring.dtype} {ring.shape}")
+
+
+# ---------------------------------------------------------------------------------------------
+# gated RMSNorm
+
+
+@parallel_kernel
+def _gated_rmsnorm_kernel(o, gate, weight, eps, out):
+    N, V = o.shape
+    for n in prange(N):
+        ss = np.float32(0.0)
+        for j in range(V):
+            ss += o[n, j] * o[n, j]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(V) + np.float32(eps))
+        for j in range(V):
+            out[n, j] = o[n, j] * r * weight[j] * fsigmoid(gate[n, j])
+
+
+def gated_rmsnorm(o: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Per-head RMSNorm of o [..., V] times weight [V] times sigmoid(gate); gate has o's size."""
+    o = np.asarray(o, np.float32)
+    V = o.shape[-1]
+    o2 = np.ascontiguousarray(o.reshape(-1, V))
+    g2 = np.ascontiguousarray(np.asarray(gate, np.float32).reshape(o2.shape))
+    w = np.ascontiguousarray(weight, np.float32).reshape(-1)
+    if w.size != V:
+        raise WasteError(f"o_norm weight has {w.size} values, expected {V}")
+    out = np.empty_like(o2)
+    _gated_rmsnorm_kernel(o2, g2, w, float(eps), out)
+    return out.reshape(o.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# recurrence
+
+
+@kernel
+def _norm_token(q, k, scale, l2norm_qk, qs, kn):
+    """One head's q, k [K] -> qs = q scale / |q|, kn = k / |k| (eps inside the roots); returns qs . kn."""
+    K = q.shape[0]
+    rq = np.float32(scale)
+    rk = np.float32(1.0)
+    if l2norm_qk:
+        sq = np.float32(0.0)
+        sk = np.float32(0.0)
+        for i in range(K):
+            sq += q[i] * q[i]
+            sk += k[i] * k[i]
+        rq = rq / np.sqrt(sq + np.float32(L2_EPS))
+        rk = np.float32(1.0) / np.sqrt(sk + np.float32(L2_EPS))
+    qk = np.float32(0.0)
+    for i in range(K):
+        qs[i] = q[i] * rq
+        kn[i] = k[i] * rk
+        qk += qs[i] * kn[i]
+    return qk
+
+
+@parallel_kernel
+def _decode_kernel(q, k, v, g, beta, scale, l2norm_qk, state, o):
+    H, K = q.shape
+    V = v.shape[1]
+    for h in prange(H):
+        qs = np.empty(K, np.float32)
+        kn = np.empty(K, np.float32)
+        a = np.empty(K, np.float32)
+        ak = np.empty(K, np.float32)
+        aq = np.empty(K, np.float32)
+        u = np.empty(V, np.float32)
+        w = np.empty(V, np.float32)
+        qk = _norm_token(q[h], k[h], scale, l2norm_qk, qs, kn)
+        for i in range(K):
+            a[i] = fexp(g[h, i])
+            ak[i] = a[i] * kn[i]
+            aq[i] = a[i] * qs[i]
+        b = beta[h]
+        S = state[h]
+        for j in range(V):
+            u[j] = 0.0
+            w[j] = 0.0
+        for i in range(K):
+            aki = ak[i]
+            aqi = aq[i]
+            for j in range(V):
+                s = S[i, j]
+                u[j] += aki * s
+                w[j] += aqi * s
+        for j in range(V):
+            d = b * (v[h, j] - u[j])
+            o[h, j] = w[j] + qk * d
+            u[j] = d
+        for i in range(K):
+            ai = a[i]
+            ki = kn[i]
+            for j in range(V):
+                S[i, j] = ai * S[i, j] + ki * u[j]
+
+
+def kda_scale(scale: float | None, K: int) -> float:
+    """The query scale: K**-0.5 unless given."""
+    return K**-0.5 if scale is None else float(scale)
+
+
+def kda_decode_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                    state: np.ndarray, *, scale: float | None = None, l2norm_qk: bool = True) -> np.ndarray:
+    """One token: q, k, g [H, K], v [H, V], beta [H]; updates state [H, K, V] in place; returns o [H, V]."""
+    q, k, g = (np.ascontiguousarray(x, np.float32) for x in (q, k, g))
+    v = np.ascontiguousarray(v, np.float32)
+    beta = np.ascontiguousarray(beta, np.float32).reshape(-1)
+    H, K = q.shape
+    V = v.shape[1]
+    if k.shape != (H, K) or g.shape != (H, K) or v.shape != (H, V) or beta.shape != (H,):
+        raise WasteError(f"decode step shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
+                         f"beta {beta.shape}")
+    if state.dtype != np.float32 or state.shape != (H, K, V) or not state.flags.c_contiguous:
+        raise WasteError(f"state must be contiguous float32 [{H}, {K}, {V}], got {state.dtype} {state.shape}")
+    o = np.empty((H, V), np.float32)
+    _decode_kernel(q, k, v, g, beta, kda_scale(scale, K), bool(l2norm_qk), state, o)
+    return o
+
+
+@parallel_kernel
+def _recurrent_kernel(q, k, v, g, beta, scale, l2norm_qk, state, o):
+    for h in prange(q.shape[1]):
+        # int64 head index: prange's own index type would compile a second copy of the body
+        _recurrent_head(q, k, v, g, beta, scale, l2norm_qk, state, o, np.int64(h))
+
+
+@kernel
+def _recurrent_head(q, k, v, g, beta, scale, l2norm_qk, state, o, h):
+    """All T tokens of head h, four at a time (docs/KDA.md, "recurrence in blocks of four").
+
+    With A_m the decay accumulated from the block start through token m and P(r, m] the decay
+    between tokens r and m, one read of each state column gives u_m' = S^T (A_m k_m) and
+    w_m' = S^T (A_m q_m) for the four tokens; the deltas then follow by scalar corrections,
+    u_m = u_m' + sum_{r<m} d_r (k_m . P(r,m] k_r), and one write applies the whole block,
+    S = Diag(A_4) S + sum_r (P(r,4] k_r) d_r^T. A tail shorter than four is padded with
+    tokens that change nothing (k = q = 0, decay 1, beta 0).
+    """
+    T, H, K = q.shape
+    V = v.shape[2]
+    # The head's state transposed to [V, K]: each value column is an independent recurrence
+    # whose reads are dot products over contiguous K (vector accumulators stay in registers).
+    ST = np.empty((V, K), np.float32)
+    for i in range(K):
+        for j in range(V):
+            ST[j, i] = state[h, i, j]
+    NT = SEQ_TILE_T
+    qs = np.empty((NT, K), np.float32)  # normalised, scaled q
+    kn = np.empty((NT, K), np.float32)  # normalised k
+    a = np.empty((NT, K), np.float32)  # exp(g)
+    ck = np.empty((NT, K), np.float32)  # A_m k_m
+    cq = np.empty((NT, K), np.float32)  # A_m q_m
+    ek = np.empty((NT, K), np.float32)  # P(m, 4] k_m
+    ablk = np.empty((NT // 4, K), np.float32)  # A_4 per block
+    co = np.empty((NT, 8), np.float32)  # per token: beta, q.k, then k_m.P k_r (3), q_m.P k_r (3)
+    vt = np.empty((NT, V), np.float32)
+    ot = np.empty((NT, V), np.float32)
+    P = np.empty(K, np.float32)
+    for t0 in range(0, T, NT):
+        nt = min(NT, T - t0)
+        nb = (nt + 3) // 4
+        for tt in range(nb * 4):
+            t = t0 + tt
+            if tt < nt:
+                co[tt, 0] = beta[t, h]
+                co[tt, 1] = _norm_token(q[t, h], k[t, h], scale, l2norm_qk, qs[tt], kn[tt])
+                for i in range(K):
+                    a[tt, i] = fexp(g[t, h, i])
+                for j in range(V):
+                    vt[tt, j] = v[t, h, j]
+            else:
+                co[tt, 0] = 0.0
+                co[tt, 1] = 0.0
+                for i in range(K):
+                    qs[tt, i] = 0.0
+                    kn[tt, i] = 0.0
+                    a[tt, i] = 1.0
+                for j in range(V):
+                    vt[tt, j] = 0.0
+        for blk in range(nb):
+            b0 = 4 * blk
+            # A_m k_m and A_m q_m: cumulative decay from the block start
+            for i in range(K):
+                P[i] = 1.0
+            for m in range(4):
+                for i in range(K):
+                    P[i] *= a[b0 + m, i]
+                    ck[b0 + m, i] = P[i] * kn[b0 + m, i]
+                    cq[b0 + m, i] = P[i] * qs[b0 + m, i]
+            for i in range(K):
+                ablk[blk, i] = P[i]
+            # P(r, m] for r < m: the pair coefficients, and P(r, 4] k_r for the write
+            for r in range(4):
+                for i in range(K):
+                    P[i] = 1.0
+                for m in range(r + 1, 4):
+                    sk = np.float32(0.0)
+                    sq = np.float32(0.0)
+                    for i in range(K):
+                        P[i] *= a[b0 + m, i]
+                        pk = P[i] * kn[b0 + r, i]
+                        sk += kn[b0 + m, i] * pk
+                        sq += qs[b0 + m, i] * pk
+                    co[b0 + m, 2 + r] = sk
+                    co[b0 + m, 5 + r] = sq
+                for i in range(K):
+                    ek[b0 + r, i] = P[i] * kn[b0 + r, i]
+        for blk in range(nb):
+            _four_tokens(ST, 4 * blk, ck, cq, ek, ablk[blk], co, vt, ot)
+        for tt in range(nt):
+            for j in range(V):
+                o[t0 + tt, h, j] = ot[tt, j]
+    for i in range(K):
+        for j in range(V):
+            state[h, i, j] = ST[j, i]
+
+
+@kernel
+def _four_tokens(ST, b0, ck, cq, ek, ab, co, vt, ot):
+    """The transposed state ST [V, K] through tokens b0..b0+3 of the tile, one value column at a time."""
+    V, K = ST.shape
+    c1k, c2k, c3k, c4k = ck[b0], ck[b0 + 1], ck[b0 + 2], ck[b0 + 3]
+    c1q, c2q, c3q, c4q = cq[b0], cq[b0 + 1], cq[b0 + 2], cq[b0 + 3]
+    e1, e2, e3, e4 = ek[b0], ek[b0 + 1], ek[b0 + 2], ek[b0 + 3]
+    v1, v2, v3, v4 = vt[b0], vt[b0 + 1], vt[b0 + 2], vt[b0 + 3]
+    o1, o2, o3, o4 = ot[b0], ot[b0 + 1], ot[b0 + 2], ot[b0 + 3]
+    b1, b2, b3, b4 = co[b0, 0], co[b0 + 1, 0], co[b0 + 2, 0], co[b0 + 3, 0]
+    p1, p2, p3, p4 = co[b0, 1], co[b0 + 1, 1], co[b0 + 2, 1], co[b0 + 3, 1]
+    k21, k31, k32 = co[b0 + 1, 2], co[b0 + 2, 2], co[b0 + 2, 3]
+    k41, k42, k43 = co[b0 + 3, 2], co[b0 + 3, 3], co[b0 + 3, 4]
+    l21, l31, l32 = co[b0 + 1, 5], co[b0 + 2, 5], co[b0 + 2, 6]
+    l41, l42, l43 = co[b0 + 3, 5], co[b0 + 3, 6], co[b0 + 3, 7]
+    for j in range(V):
+        s = ST[j]
+        u1 = np.float32(0.0)
+        u2 = np.float32(0.0)
+        u3 = np.float32(0.0)
+        u4 = np.float32(0.0)
+        w1 = np.float32(0.0)
+        w2 = np.float32(0.0)
+        w3 = np.float32(0.0)
+        w4 = np.float32(0.0)
+        for i in range(K):
+            x = s[i]
+            u1 += c1k[i] * x
+            w1 += c1q[i] * x
+            u2 += c2k[i] * x
+            w2 += c2q[i] * x
+            u3 += c3k[i] * x
+            w3 += c3q[i] * x
+            u4 += c4k[i] * x
+            w4 += c4q[i] * x
+        d1 = b1 * (v1[j] - u1)
+        o1[j] = w1 + p1 * d1
+        d2 = b2 * (v2[j] - (u2 + k21 * d1))
+        o2[j] = w2 + l21 * d1 + p2 * d2
+        d3 = b3 * (v3[j] - (u3 + k31 * d1 + k32 * d2))
+        o3[j] = w3 + l31 * d1 + l32 * d2 + p3 * d3
+        d4 = b4 * (v4[j] - (u4 + k41 * d1 + k42 * d2 + k43 * d3))
+        o4[j] = w4 + l41 * d1 + l42 * d2 + l43 * d3 + p4 * d4
+        for i in range(K):
+            s[i] = ab[i] * s[i] + e1[i] * d1 + e2[i] * d2 + e3[i] * d3 + e4[i] * d4
+
+
+def check_kda_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                     initial_state: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """Coerce to contiguous float32 and check shapes; returns (q, k, v, g, beta, state copy [H, K, V])."""
+    q, k, v, g, beta = (np.ascontiguousarray(x, np.float32) for x in (q, k, v, g, beta))
+    if q.ndim != 3:
+        raise WasteError(f"q must be [T, H, K], got shape {q.shape}")
+    T, H, K = q.shape
+    if v.ndim != 3 or v.shape[:2] != (T, H):
+        raise WasteError(f"v must be [T={T}, H={H}, V], got shape {v.shape}")
+    V = v.shape[2]
+    if k.shape != q.shape or g.shape != q.shape or beta.shape != (T, H):
+        raise WasteError(f"KDA shapes disagree: q {q.shape}, k {k.shape}, g {g.shape}, beta {beta.shape}")
+    if initial_state is None:
+        state = np.zeros((H, K, V), np.float32)
+    else:
+        if np.shape(initial_state) != (H, K, V):
+            raise WasteError(f"initial_state must be [{H}, {K}, {V}], got {np.shape(initial_state)}")
+        state = np.array(initial_state, np.float32, order="C")
+    return q, k, v, g, beta, state
+
+
+def recurrent_kda(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, *,
+                  scale: float | None = None, initial_state: np.ndarray | None = None,
+                  l2norm_qk: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Token-by-token KDA over a sequence, heads in parallel: (o [T, H, V], final state [H, K, V])."""
+    q, k, v, g, beta, state = check_kda_inputs(q, k, v, g, beta, initial_state)
+    o = np.empty(v.shape, np.float32)
+    _recurrent_kernel(q, k, v, g, beta, kda_scale(scale, q.shape[2]), bool(l2norm_qk), state, o)
+    return o, state
+
+
+def prefill_kda(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, *,
+                scale: float | None = None, initial_state: np.ndarray | None = None,
+                l2norm_qk: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """KDA over a prompt by whichever of `recurrent_kda` / `chunk_kda` is faster at this length."""
+    if CHUNK_PREFILL_MIN_TOKENS is not None and np.shape(q)[0] >= CHUNK_PREFILL_MIN_TOKENS:
+        from waste.kernels.kda_chunk import chunk_kda
+
+        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, l2norm_qk=l2norm_qk)
+    return recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, l2norm_qk=l2norm_qk)
