@@ -78,7 +78,7 @@ def test_stepping_matches_a_plain_run_and_the_session(tiny):
                 np.testing.assert_allclose(rec.expert_weights.sum(), cfg.routed_scaling_factor, rtol=1e-5)
         # Hidden-state norms agree with one prefill over the same tokens.
         ids = prompt + [r.token for r in records]
-        capture = HiddenCapture(cfg.num_layers, cfg.hidden_size, len(ids))
+        capture = HiddenCapture(cfg.num_layers, cfg.hidden_size, len(ids), cfg.num_experts_per_token)
         model.prefill(model.new_session(len(ids)), ids, observer=capture)
         want = np.linalg.norm(capture.hidden[:, -1].astype(np.float64), axis=-1)
         np.testing.assert_allclose(last.hidden_norms, want, rtol=1e-5)

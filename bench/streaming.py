@@ -1,0 +1,140 @@
+"""Streamed experts on the `mini` preset in `q4` (issue #7): decode tokens per second and expert
+bytes read per token at cache budgets of 0, 10, 25, 50 and 100% of the expert bytes, with the
+achieved read bandwidth next to a plain sequential read of experts.bin in the same run.
+
+Experts come from `StreamingExpertStore` (positional reads into an LRU cache with a byte
+budget), opened with O_DIRECT so the page cache cannot serve them; when the file system
+refuses O_DIRECT the store reads buffered and the table says so (`io`). Before every budget
+the page cache of experts.bin is dropped (posix_fadvise DONTNEED, and
+/proc/sys/vm/drop_caches when writable). Per budget: a fresh store and session, a prompt of
+`--prompt-len` tokens (which fills the cache), then `--new` greedy decode steps; the store's
+counters are reset between the two, so the decode columns count decode alone.
+
+`read GB/s` is the store's bytes over its wall time inside reads (the pool's reads overlap, so
+this is what the reads achieved together); `read %` is that time's share of the decode time.
+The sequential baseline reads experts.bin start to end in 8 MiB reads in the same I/O mode,
+before and after the budgets (the better is kept). Prints a table, writes
+bench/results/streaming.json. Asserts nothing.
+
+    python bench/streaming.py [--budgets 0 10 25 50 100] [--prompt-len 64] [--new 64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import numpy as np
+
+from waste.container import open_container
+from waste.engine.experts import POLICIES, StreamingExpertStore
+from waste.engine.model import DEFAULT_PREFILL_CHUNK, Model
+
+QUANT = "q4"
+
+
+def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argparse.Namespace) -> dict[str, Any]:
+    """One cache budget: drop the page cache, prefill `prompt` through a fresh store, decode `args.new` tokens."""
+    expert_bytes = container.byte_counts()["expert_bytes"]
+    budget = int(fraction * expert_bytes)
+    dropped = common.drop_page_cache(container.experts_path)
+    with StreamingExpertStore(container, budget, args.policy, args.read_threads, direct_io=not args.buffered) as store:
+        model = Model(container, store=store)
+        session = model.new_session(len(prompt) + args.new)
+        t0 = time.perf_counter()
+        logits = model.prefill(session, prompt, chunk=args.prefill_chunk)
+        prefill_s = time.perf_counter() - t0
+        prefill = store.stats.total
+        store.stats.reset()
+        token = int(np.argmax(logits[-1]))
+        t0 = time.perf_counter()
+        for _ in range(args.new):
+            token = int(np.argmax(model.decode(session, token)))
+        decode_s = time.perf_counter() - t0
+        dec = store.stats.total
+        return {
+            "budget_fraction": fraction, "budget_bytes": budget, "cached_bytes_at_end": store.cached_bytes,
+            "io_mode": store.io_mode, "io_note": store.io_note, "cache_dropped": dropped,
+            "prefill_s": prefill_s, "prefill_tps": len(prompt) / prefill_s, "prefill_bytes_read": prefill.bytes_read,
+            "decode_s": decode_s, "decode_tps": args.new / decode_s,
+            "decode_bytes_per_token": dec.bytes_read / args.new,
+            "decode_hit_rate": None if np.isnan(dec.hit_rate) else dec.hit_rate,
+            "decode_read_s": dec.read_seconds,
+            "decode_read_share": dec.read_seconds / decode_s,
+            "decode_read_gbps": None if np.isnan(dec.gbps) else dec.gbps,
+            "decode_stats": dec.as_dict(),
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0, 10, 25, 50, 100],
+                        help="cache budgets in percent of experts.bin")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new", type=int, default=64, help="tokens to decode per budget")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    parser.add_argument("--policy", choices=POLICIES, default="lru")
+    parser.add_argument("--read-threads", type=int, default=4)
+    parser.add_argument("--buffered", action="store_true", help="read without O_DIRECT")
+    parser.add_argument("--quick", action="store_true", help="budgets 0 and 100 only, 16 decoded tokens")
+    parser.add_argument("--cache-dir", type=Path, default=common.CACHE_DIR)
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "streaming.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.budgets, args.new = [0, 100], 16
+    if args.prompt_len < 1 or args.new < 1 or any(not 0 <= b <= 100 for b in args.budgets):
+        parser.error("--prompt-len and --new must be at least 1, budgets within 0..100")
+    info = common.machine_info()
+    print(f"{info['cpu']}, {info['cores']} cores, Numba {info['numba']} ({info['numba_threads']} threads), "
+          f"load average {info['load_average']}")
+    path = common.mini_container(QUANT, args.cache_dir)
+    rng = np.random.default_rng(0)
+    with open_container(path) as c:
+        counts = c.byte_counts()
+        prompt = rng.integers(0, c.config.vocab_size, args.prompt_len)
+        # Compile every kernel on the streamed path before anything is timed.
+        with StreamingExpertStore(c, 0, args.policy, args.read_threads, direct_io=not args.buffered) as store:
+            model = Model(c, store=store)
+            session = model.new_session(16)
+            model.prefill(session, prompt[:8], chunk=args.prefill_chunk)
+            model.decode(session, 0)
+            direct = store.io_mode == "direct"
+        seq_start = common.sequential_read(c.experts_path, direct=direct)
+        print(f"mini {QUANT}: experts.bin {counts['expert_bytes'] / 1e6:.1f} MB ({counts['expert_layers']} layers x "
+              f"{counts['num_experts']} blobs of {counts['expert_blob_bytes'] / 1024:.0f} KiB); sequential read "
+              f"{seq_start['gbps']:.2f} GB/s ({seq_start['io_mode']}, page cache dropped by "
+              f"{seq_start['cache_dropped']}); prompt {args.prompt_len}, {args.new} decoded, {args.policy}, "
+              f"{args.read_threads} read threads")
+        results = [run_budget(c, b / 100, prompt, args) for b in args.budgets]
+        seq_end = common.sequential_read(c.experts_path, direct=direct)
+    seq_gbps = max(seq_start["gbps"], seq_end["gbps"])
+    rows = []
+    for r in results:
+        r["read_vs_sequential"] = None if r["decode_read_gbps"] is None else r["decode_read_gbps"] / seq_gbps
+        hit = r["decode_hit_rate"]
+        rows.append([f"{100 * r['budget_fraction']:g}%", r["budget_bytes"] / 1e6, r["io_mode"], r["decode_tps"],
+                     r["decode_bytes_per_token"] / 1e6, None if hit is None else 100 * hit, r["decode_read_gbps"],
+                     None if r["read_vs_sequential"] is None else 100 * r["read_vs_sequential"],
+                     100 * r["decode_read_share"], r["prefill_tps"]])
+    print(common.format_table(["budget", "MB", "io", "decode tok/s", "expert MB/tok", "hit %", "read GB/s",
+                               "% seq", "read %", "prefill tok/s"], rows))
+    print(f"sequential read of experts.bin: {seq_start['gbps']:.2f} GB/s before, {seq_end['gbps']:.2f} GB/s after "
+          f"({seq_start['io_mode']})")
+    common.write_json(args.out, {
+        "benchmark": "streaming", "preset": "mini", "scheme": QUANT, "machine": info,
+        "load_average_at_end": list(os.getloadavg()),
+        "settings": {"prompt_len": args.prompt_len, "new": args.new, "prefill_chunk": args.prefill_chunk,
+                     "policy": args.policy, "read_threads": args.read_threads, "direct_io": not args.buffered},
+        "expert_bytes": counts["expert_bytes"], "expert_blob_bytes": counts["expert_blob_bytes"],
+        "sequential_read": {"start": seq_start, "end": seq_end, "gbps": seq_gbps},
+        "budgets": results,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
