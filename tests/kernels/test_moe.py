@@ -80,6 +80,8 @@ def test_router_logits_are_float32_products() -> None:
     got = router_logits(x, w)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+    # A token's logits do not depend on the other tokens of its chunk (routing is chunk-invariant).
+    np.testing.assert_array_equal(router_logits(x[1:2], w), got[1:2])
 
 
 def test_route_rejects_bad_arguments() -> None:

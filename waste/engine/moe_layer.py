@@ -21,7 +21,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
-from waste.kernels.moe import ROUTER_WEIGHTS, route, swiglu
+from waste.kernels.moe import ROUTER_WEIGHTS, route, router_logits, swiglu
 from waste.kernels.quant import QMatrix
 
 GetMatrix = Callable[[str], QMatrix]
@@ -130,13 +130,8 @@ class MoELayer:
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """x [T, hidden] -> (ids [T, k] int64 in rank order, weights [T, k] float32)."""
-        # float32 dot products in NumPy's own loop, not BLAS: between Numba's prange kernels an
-        # OpenBLAS call on 2 cores waits milliseconds for the spinning thread pools (docs/QUANT.md;
-        # prefill of `mini` q8 went from 116 to 398 tokens/s), and a token's logits no longer
-        # depend on how many tokens share the call, so routing is the same at any chunk size.
-        logits = np.einsum("tk,ek->te", x, self.router_weight)  # [T, E]
         return route(
-            logits, self.score_bias, top_k=self.top_k, num_groups=self.num_groups,
+            router_logits(x, self.router_weight), self.score_bias, top_k=self.top_k, num_groups=self.num_groups,
             topk_group=self.topk_group, renormalize=self.renormalize, scaling=self.scaling,
             router_weights=self.router_weights,
         )
