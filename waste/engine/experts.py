@@ -168,9 +168,21 @@ class MmapExpertStore(ExpertStore):
 
     io_mode = "mmap"
 
+    def __init__(self, container: Any):
+        super().__init__(container)
+        # Views hold no memory of their own (they point into the map), so each expert's are
+        # built once instead of on every request (17 us an expert, ~9% of a `mini` decode step).
+        self._views: dict[tuple[int, int], Expert] = {}
+
+    def _view(self, layer: int, e: int) -> Expert:
+        key = (layer, e)
+        if key not in self._views:
+            self._views[key] = self.container.expert(layer, e)
+        return self._views[key]
+
     def get(self, layer: int, expert_ids: Sequence[int]) -> list[Expert]:
         ids = self._check(layer, expert_ids)
-        out = [self.container.expert(layer, e) for e in ids]
+        out = [self._view(layer, e) for e in ids]
         st = self.stats.layer(layer)
         st.calls += 1
         st.requests += len(ids)

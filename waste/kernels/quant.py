@@ -5,22 +5,55 @@ A weight matrix `[N, K]` (N output rows, K inputs, PyTorch's Linear layout) is h
 shapes follow from (format, shape) alone, so a container can store the buffers back to
 back and hand out zero-copy views on read.
 
-Formats: "f32" (exact), "bf16" (bfloat16 storage, float32 arithmetic), "q8g" and "q4g"
-(groups of 32 along K, one scale per group; docs/QUANT.md).
+Formats (byte layouts, bits per weight and the measurements behind them: docs/QUANT.md):
+- "f32": float32, exact; products through NumPy's BLAS.
+- "bf16": bfloat16 bits as uint16; float32 arithmetic.
+- "q8g": int8 codes in [-127, 127], one float16 scale per group of 32 along K (8.5 bits).
+- "q4g": 4-bit codes 0..15 standing for (code - 8), one float16 scale per group (4.5 bits).
+
+The q formats pad K to a multiple of 32 and N to a multiple of 16, and interleave 16 rows so
+that one group of one 16-row block is a run of 64-byte chunks, each holding 4 consecutive K
+codes for each of the 16 rows: the layout of AVX-512 VNNI's `vpdpbusd` (64 unsigned bytes
+times 4 broadcast signed bytes, summed into 16 int32 lanes). A per-matrix power of two
+(`tscale`) keeps every float16 group scale in the normal range whatever the weights' size.
+
+Products quantise the activations once per call to int8 per group of 32 with a float32
+scale, sum integer products per group in int32 (exact), then scale in float32.
 
 Shapes: x [K], X [T, K], y [N], Y [T, N].
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from waste.errors import WasteError
+from waste.jit import kernel, parallel_kernel, prange
 
 FORMATS = ("f32", "bf16", "q8g", "q4g")
+
+GROUP = 32  # weights (and activations) sharing one scale, along K
+ROWS = 16  # output rows interleaved in one block: 16 int32 lanes of a 512-bit vector
+TOKEN_TILE = 4  # tokens that share one pass over a weight block in qmatmul
+CHUNK = 64  # bytes per vpdpbusd operand: 16 rows x 4 codes
+BLOCK_BYTES = {"q8g": GROUP * ROWS, "q4g": GROUP * ROWS // 2}  # one group of one block
+CODE_OFFSET = {"q8g": 128, "q4g": 8}  # the kernels read codes as unsigned bytes (q8g: code + 128)
+QMAX = {"q8g": 127, "q4g": 8}  # |code - offset| that the group's largest weight maps to
+# The largest group scale divided by tscale lies in [2**14, 2**15): float16 normals span
+# 2**-14 .. 65504, so every group within 2**28 of the largest keeps a full 11-bit scale.
+SCALE_EXPONENT = 14
+# Software prefetch distance in the code stream (a few groups ahead). Measured on the lm_head
+# (codes in DRAM) it helped q4g by 10-40% and was neutral in L3 (docs/QUANT.md).
+PREFETCH_BYTES = 2048
+BF16_BLOCK_ROWS = 256  # rows of a bf16 matrix widened to float32 at once for a BLAS matmul (in L2)
+QUANTIZE_BLOCKS = 256  # row blocks quantised at once (bounds the float64 temporaries)
 
 
 @dataclass(frozen=True)
@@ -37,19 +70,76 @@ class QMatrix:
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """y = W x for one token: x [K] float32 -> y [N] float32."""
-        return self.matmul(np.asarray(x, np.float32)[None, :])[0]
+        x = np.asarray(x)
+        if x.shape != (self.shape[1],):
+            raise WasteError(f"{self.fmt} matrix {self.shape}: matvec input must have shape ({self.shape[1]},), "
+                             f"got {x.shape}")
+        if self.fmt == "f32":
+            return self.buffers["w"] @ np.asarray(x, np.float32)
+        if self.fmt == "bf16":
+            y = np.empty(self.shape[0], np.float32)
+            _bf16_matvec(self.buffers["w"], np.ascontiguousarray(x, np.float32), y)
+            return y
+        return self.matmul(x[None, :])[0]
 
     def matmul(self, X: np.ndarray) -> np.ndarray:
-        """Y = X W^T for a chunk: X [T, K] float32 -> Y [T, N] float32."""
-        return np.ascontiguousarray(np.asarray(X, np.float32) @ self.dequantize().T)
+        """Y = X W^T for a chunk: X [T, K] float32 -> Y [T, N] float32 (any T; blocks of 4 tokens)."""
+        X = np.asarray(X)
+        n, k = self.shape
+        if X.ndim != 2 or X.shape[1] != k:
+            raise WasteError(f"{self.fmt} matrix {self.shape}: matmul input must have shape [T, {k}], got {X.shape}")
+        X = np.ascontiguousarray(X, np.float32)
+        if self.fmt == "f32":
+            return np.ascontiguousarray(X @ self.buffers["w"].T)
+        if self.fmt == "bf16":
+            if X.shape[0] == 1:
+                return self.matvec(X[0])[None, :]
+            Y = np.empty((X.shape[0], n), np.float32)
+            block = np.empty((min(n, BF16_BLOCK_ROWS), k), np.float32)
+            for r0 in range(0, n, BF16_BLOCK_ROWS):
+                rows = block[: min(n, r0 + BF16_BLOCK_ROWS) - r0]
+                _bf16_widen(self.buffers["w"][r0:r0 + len(rows)], rows)
+                Y[:, r0:r0 + len(rows)] = X @ rows.T
+            return Y
+        return _qproduct(self, X)
 
     def dequantize(self) -> np.ndarray:
         """The float32 weights [N, K] this matrix stands for."""
         if self.fmt == "f32":
             return self.buffers["w"]
         if self.fmt == "bf16":
-            return self.buffers["w"].view(ml_dtypes.bfloat16).astype(np.float32)
-        raise WasteError(f"format {self.fmt!r} is not implemented yet")
+            return _bf16_to_f32(self.buffers["w"])
+        return self.take_rows(np.arange(self.shape[0]))
+
+    def take_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantised rows W[ids]: ids [L] int -> [L, K] float32 (the embedding lookup)."""
+        ids = np.asarray(ids)
+        n, k = self.shape
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise WasteError(f"row ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            raise WasteError(f"row id out of range [0, {n}): min {ids.min()}, max {ids.max()}")
+        if self.fmt == "f32":
+            return np.ascontiguousarray(self.buffers["w"][ids])
+        if self.fmt == "bf16":
+            return _bf16_to_f32(self.buffers["w"][ids])
+        b, r = ids // ROWS, ids % ROWS
+        qs = self.buffers["qs"]
+        nb, g = qs.shape[0], qs.shape[1]
+        if self.fmt == "q8g":
+            codes = qs.reshape(nb, g, GROUP // 4, ROWS, 4)[b, :, :, r, :].reshape(len(ids), g, GROUP)
+            codes = codes.astype(np.float32)
+        else:
+            packed = qs.reshape(nb, g, GROUP // 8, ROWS, 4)[b, :, :, r, :].reshape(len(ids), g, GROUP // 2)
+            codes = np.concatenate([packed & 15, packed >> 4], axis=-1).astype(np.float32) - CODE_OFFSET["q4g"]
+        scale = self.buffers["scales"][b, :, r].astype(np.float32) * self.buffers["tscale"][0]  # [L, G], exact
+        return np.ascontiguousarray((codes * scale[:, :, None]).reshape(len(ids), g * GROUP)[:, :k])
+
+
+def padded_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    """(row blocks NB, groups G) of a q-format matrix: N padded to 16 rows, K to 32 inputs."""
+    n, k = shape
+    return -(-n // ROWS), -(-k // GROUP)
 
 
 def buffer_layout(fmt: str, shape: tuple[int, int]) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
@@ -59,11 +149,23 @@ def buffer_layout(fmt: str, shape: tuple[int, int]) -> list[tuple[str, np.dtype,
         return [("w", np.dtype(np.float32), (n, k))]
     if fmt == "bf16":
         return [("w", np.dtype(np.uint16), (n, k))]
+    if fmt in ("q8g", "q4g"):
+        nb, g = padded_shape(shape)
+        code = np.int8 if fmt == "q8g" else np.uint8
+        return [("qs", np.dtype(code), (nb, g, BLOCK_BYTES[fmt])),
+                ("scales", np.dtype(np.float16), (nb, g, ROWS)),
+                ("tscale", np.dtype(np.float32), (1,))]
     raise WasteError(f"unknown weight format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
 
+def bits_per_weight(fmt: str, shape: tuple[int, int]) -> float:
+    """Stored bits per logical weight, padding and the per-matrix scale included."""
+    total = sum(math.prod(s) * dt.itemsize for _, dt, s in buffer_layout(fmt, shape))
+    return 8.0 * total / max(1, shape[0] * shape[1])
+
+
 def quantize(w: np.ndarray, fmt: str) -> QMatrix:
-    """Store a float weight matrix [N, K] in format `fmt`."""
+    """Store a float weight matrix [N, K] in format `fmt` (q formats: finite weights only)."""
     w = np.asarray(w)
     if w.ndim != 2:
         raise WasteError(f"weight must be 2-D [N, K], got shape {w.shape}")
@@ -73,7 +175,59 @@ def quantize(w: np.ndarray, fmt: str) -> QMatrix:
     if fmt == "bf16":
         bits = np.ascontiguousarray(w.astype(ml_dtypes.bfloat16)).view(np.uint16)
         return QMatrix(fmt, shape, {"w": bits})
-    raise WasteError(f"unknown weight format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if fmt not in ("q8g", "q4g"):
+        raise WasteError(f"unknown weight format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    buffers = {name: np.zeros(bshape, dt) for name, dt, bshape in buffer_layout(fmt, shape)}
+    wmax = 0.0
+    for r0 in range(0, shape[0], QUANTIZE_BLOCKS * ROWS):
+        part = w[r0:r0 + QUANTIZE_BLOCKS * ROWS]
+        if not np.isfinite(part).all():
+            raise WasteError(f"cannot quantise a {shape} matrix to {fmt}: it holds NaN or infinite weights")
+        wmax = max(wmax, float(np.abs(part).max(initial=0.0)))
+    tscale = _tensor_scale(wmax / QMAX[fmt])
+    buffers["tscale"][0] = tscale
+    for b0 in range(0, buffers["qs"].shape[0], QUANTIZE_BLOCKS):
+        b1 = min(buffers["qs"].shape[0], b0 + QUANTIZE_BLOCKS)
+        qs, scales = _quantize_blocks(w[b0 * ROWS:b1 * ROWS], b1 - b0, shape[1], fmt, tscale)
+        buffers["qs"][b0:b1] = qs
+        buffers["scales"][b0:b1] = scales
+    return QMatrix(fmt, shape, buffers)
+
+
+def _tensor_scale(dmax: float) -> float:
+    """The power of two that puts the largest group scale in [2**14, 2**15)."""
+    if dmax == 0.0:
+        return 1.0
+    exponent = math.frexp(dmax)[1] - 1 - SCALE_EXPONENT
+    return math.ldexp(1.0, min(127, max(-126, exponent)))
+
+
+def _quantize_blocks(w: np.ndarray, nb: int, k: int, fmt: str, tscale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [nb, G, bytes] and float16 scales [nb, G, 16] of up to nb*16 rows of w."""
+    g = -(-k // GROUP)
+    wg = np.zeros((nb * ROWS, g * GROUP), np.float64)
+    wg[: w.shape[0], :k] = w
+    wg = wg.reshape(nb * ROWS, g, GROUP)
+    if fmt == "q8g":
+        # Symmetric: the largest |w| of the group maps to +-127.
+        extreme = np.abs(wg).max(axis=-1)
+    else:
+        # ggml's Q4_0: the signed weight of largest magnitude maps to code 0 (value -8), so all
+        # 16 levels are used; a weight of the opposite sign and equal size clips to +7.
+        extreme = -np.take_along_axis(wg, np.abs(wg).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    s16 = (extreme / QMAX[fmt] / tscale).astype(np.float16)
+    # Codes are chosen against the scale actually stored, so dequantised values are exact
+    # multiples of it and quantising them again gives the same values.
+    d = s16.astype(np.float64) * tscale
+    ratio = np.divide(wg, d[..., None], out=np.zeros_like(wg), where=d[..., None] != 0)
+    if fmt == "q8g":
+        codes = np.clip(np.rint(ratio), -127, 127).astype(np.int8)
+        qs = codes.reshape(nb, ROWS, g, GROUP // 4, 4).transpose(0, 2, 3, 1, 4)
+    else:
+        codes = np.clip(np.rint(ratio) + CODE_OFFSET["q4g"], 0, 15).astype(np.uint8)
+        packed = codes[..., : GROUP // 2] | (codes[..., GROUP // 2:] << 4)
+        qs = packed.reshape(nb, ROWS, g, GROUP // 8, 4).transpose(0, 2, 3, 1, 4)
+    return qs.reshape(nb, g, BLOCK_BYTES[fmt]), s16.reshape(nb, ROWS, g).transpose(0, 2, 1)
 
 
 def from_buffers(fmt: str, shape: tuple[int, int], buffers: dict[str, np.ndarray]) -> QMatrix:
@@ -83,3 +237,263 @@ def from_buffers(fmt: str, shape: tuple[int, int], buffers: dict[str, np.ndarray
         if b is None or b.dtype != dtype or tuple(b.shape) != bshape:
             raise WasteError(f"{fmt} matrix {shape}: buffer {name!r} must be {dtype} {bshape}")
     return QMatrix(fmt, shape, buffers)
+
+
+def quantization_snr_db(w: np.ndarray, fmt: str, x: np.ndarray) -> float:
+    """Signal-to-noise ratio (dB) of quantize(w, fmt) times x against the float64 product.
+
+    w [N, K], x [K] or [T, K]; the noise includes the int8 rounding of the activations.
+    """
+    X = np.atleast_2d(np.asarray(x, np.float64))
+    exact = X @ np.asarray(w, np.float64).T
+    noise = quantize(w, fmt).matmul(X.astype(np.float32)).astype(np.float64) - exact
+    return float(10.0 * np.log10(np.sum(exact**2) / max(np.sum(noise**2), 1e-300)))
+
+
+# -- bfloat16 ---------------------------------------------------------------------------------
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits [..] uint16 -> float32: the upper half of a float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@parallel_kernel
+def _bf16_matvec(w, x, y):
+    """y[N] = W x with W stored as bfloat16 bits [N, K]."""
+    N, K = w.shape
+    for n in prange(N):
+        s = np.float32(0.0)
+        for k in range(K):
+            s += np.uint32(np.uint32(w[n, k]) << 16).view(np.float32) * x[k]
+        y[n] = s
+
+
+# Serial: it alternates with BLAS calls, and two spinning thread pools on few cores stall each other.
+@kernel
+def _bf16_widen(bits, out):
+    """out[R, K] float32 = bfloat16 bits [R, K] uint16."""
+    for r in range(bits.shape[0]):
+        for k in range(bits.shape[1]):
+            out[r, k] = np.uint32(np.uint32(bits[r, k]) << 16).view(np.float32)
+
+
+# -- activations --------------------------------------------------------------------------------
+
+
+# fastmath off: the integer codes must follow IEEE float32 exactly (127 / amax is one correctly
+# rounded division, not a reciprocal times 127), so the float64 reference reproduces them.
+@kernel(fastmath=False)
+def _quantize_token(X, t, xq, xsum, xs):
+    """Quantise token t of X [T, K] into xq [T, 32G], xsum [T, G], xs [T, G] (see below)."""
+    K = X.shape[1]
+    bits = X.view(np.uint32)
+    for g in range(xs.shape[1]):
+        k0 = g * GROUP
+        k1 = min(K, k0 + GROUP)
+        # |x| ordered as the integers of its bits: a vectorisable max that also sees NaN and inf
+        # (bits above 0x7f800000 are NaN, 0x7f800000 is inf).
+        top = np.uint32(0)
+        for k in range(k0, k1):
+            top = max(top, np.uint32(bits[t, k] & np.uint32(0x7FFFFFFF)))
+        finite = top < np.uint32(0x7F800000)
+        amax = np.uint32(top).view(np.float32) if finite else np.float32(0.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        s = np.int32(0)
+        for k in range(k0, k1):
+            q = np.int32(min(np.float32(127.0), max(np.float32(-127.0), np.rint(X[t, k] * inv)))) if finite else 0
+            xq[t, k] = q
+            s += q
+        for k in range(k1, k0 + GROUP):
+            xq[t, k] = 0
+        xsum[t, g] = s
+        # A NaN or an infinity leaves codes 0 and a NaN scale: the group's outputs become NaN.
+        xs[t, g] = amax / np.float32(127.0) if finite else np.float32(np.nan)
+
+
+@parallel_kernel
+def quantize_activations(X, xq, xsum, xs):
+    """X [T, K] float32 -> codes xq [T, 32G] int8 (zero padded), their group sums xsum [T, G]
+    int32 and scales xs [T, G] float32 (NaN where a group holds NaN or inf): X ~ xs * xq."""
+    for t in prange(X.shape[0]):
+        _quantize_token(X, t, xq, xsum, xs)
+
+
+def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
+    """Y [T, N] = X W^T for a q-format matrix; X [T, K] float32 contiguous."""
+    n = m.shape[0]
+    nb = m.buffers["qs"].shape[0]
+    Y = np.empty((X.shape[0], nb * ROWS), np.float32)
+    qs, scales, tscale = (np.ascontiguousarray(m.buffers[b]) for b in ("qs", "scales", "tscale"))
+    product = _q8g_product if m.fmt == "q8g" else _q4g_product
+    product(X, qs, scales.view(np.uint16), tscale, Y)
+    return Y if nb * ROWS == n else np.ascontiguousarray(Y[:, :n])
+
+
+# -- integer dot-product blocks (LLVM IR) --------------------------------------------------------
+# Numba's loop vectoriser leaves a per-group int8 dot scalar and multiplies across rows with
+# vpmulld/vpmaddwd at about 17 GMAC/s per core (docs/QUANT.md). These intrinsics emit one
+# 16-row block's whole group loop as vector IR: vpdpbusd where the host has AVX-512 VNNI,
+# otherwise a generic widen-multiply-add that any LLVM target lowers.
+
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_VB = ir.VectorType(_I8, CHUNK)  # 16 rows x 4 codes
+_VI = ir.VectorType(_I32, ROWS)
+_VF = ir.VectorType(_F32, ROWS)
+
+
+def _host_has_vnni() -> bool:
+    """True when Numba compiles for this host and the host has AVX-512 VNNI."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_NAME or config.CPU_FEATURES:
+        return False
+    return "+avx512vnni" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vt: ir.VectorType) -> ir.Value:
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, vt.count),
+                                                                                 [0] * vt.count))
+
+
+def _dot4(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, x4: ir.Value, vnni: bool) -> ir.Value:
+    """acc[r] += sum_i u8(w[4r + i]) * s8(x4 byte i): acc <16 x i32>, w <64 x i8>, x4 i32."""
+    xb = _splat(builder, x4, _VI)
+    if vnni:
+        fnty = ir.FunctionType(_VI, [_VI, _VI, _VI])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [acc, builder.bitcast(w, _VI), xb])
+    wide = ir.VectorType(_I32, CHUNK)
+    p = builder.mul(builder.zext(w, wide), builder.sext(builder.bitcast(xb, _VB), wide))
+    for i in range(4):
+        lanes = ir.Constant(ir.VectorType(_I32, ROWS), [4 * r + i for r in range(ROWS)])
+        acc = builder.add(acc, builder.shuffle_vector(p, ir.Constant(wide, ir.Undefined), lanes))
+    return acc
+
+
+def _make_block(fmt: str, tokens: int, vnni: bool):
+    """An intrinsic block(qs, scales, xq, xsum, xs, Y, tscale, b, t0) that writes
+    Y[t0:t0+tokens, 16b:16b+16] for row block b; arrays as in _q8g_product, C-contiguous."""
+    offset = CODE_OFFSET[fmt]
+
+    @intrinsic
+    def block(typingctx, qs, scales, xq, xsum, xs, Y, tscale, b, t0):
+        arrays = (qs, scales, xq, xsum, xs, Y)
+        if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
+            return None
+        sig = types.void(*arrays, types.float32, types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            qs_, sc_, xq_, xsum_, xs_, y_ = (context.make_array(ty)(context, builder, a)
+                                             for ty, a in zip(signature.args[:6], args[:6], strict=True))
+            tscale_, b_, t0_ = args[6:]
+            intp = b_.type
+
+            def c(v: int) -> ir.Constant:
+                return ir.Constant(intp, v)
+
+            def at(arr, index, vt):
+                return builder.bitcast(builder.gep(arr.data, [index]), vt.as_pointer())
+
+            G = cgutils.unpack_tuple(builder, qs_.shape)[1]
+            Kp = cgutils.unpack_tuple(builder, xq_.shape)[1]
+            Np = cgutils.unpack_tuple(builder, y_.shape)[1]
+            rows = [builder.add(t0_, c(t)) for t in range(tokens)]
+            faccs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(tokens)]
+            # llvm.prefetch(address, read, locality 3 = keep in all levels, data cache)
+            pf_type = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+            prefetch = cgutils.get_or_insert_function(builder.module, pf_type, "llvm.prefetch.p0")
+            pf_args = [ir.Constant(_I32, v) for v in (0, 3, 1)]
+            with cgutils.for_range(builder, G) as loop:
+                g = loop.index
+                bg = builder.add(builder.mul(b_, G), g)
+                wbase = builder.mul(bg, c(BLOCK_BYTES[fmt]))
+                xbase = [builder.add(builder.mul(r, Kp), builder.mul(g, c(GROUP))) for r in rows]
+                iacc = [ir.Constant(_VI, None) for _ in range(tokens)]
+                for ch in range(BLOCK_BYTES[fmt] // CHUNK):
+                    # A prefetch never faults (it does not change program behaviour), so running
+                    # past the end of qs is harmless.
+                    ahead = builder.gep(qs_.data, [builder.add(wbase, c(CHUNK * ch + PREFETCH_BYTES))])
+                    builder.call(prefetch, [builder.bitcast(ahead, _I8.as_pointer()), *pf_args])
+                    wv = builder.load(at(qs_, builder.add(wbase, c(CHUNK * ch)), _VB), align=1)
+                    if fmt == "q8g":
+                        # Flipping the sign bit reads int8 code q as the unsigned byte q + 128.
+                        parts = [(builder.xor(wv, ir.Constant(_VB, [0x80] * CHUNK)), 4 * ch)]
+                    else:
+                        parts = [(builder.and_(wv, ir.Constant(_VB, [15] * CHUNK)), 4 * ch),
+                                 (builder.lshr(wv, ir.Constant(_VB, [4] * CHUNK)), GROUP // 2 + 4 * ch)]
+                    for t in range(tokens):
+                        for wpart, k in parts:
+                            x4 = builder.load(at(xq_, builder.add(xbase[t], c(k)), _I32), align=1)
+                            iacc[t] = _dot4(builder, iacc[t], wpart, x4, vnni)
+                half = ir.VectorType(ir.HalfType(), ROWS)
+                s16 = builder.load(at(sc_, builder.mul(bg, c(ROWS)), ir.VectorType(_I16, ROWS)), align=2)
+                scale = builder.fpext(builder.bitcast(s16, half), _VF)
+                for t in range(tokens):
+                    tg = builder.add(builder.mul(rows[t], G), g)
+                    corr = builder.mul(builder.load(builder.gep(xsum_.data, [tg])), ir.Constant(_I32, offset))
+                    dots = builder.sitofp(builder.sub(iacc[t], _splat(builder, corr, _VI)), _VF)
+                    xsc = _splat(builder, builder.load(builder.gep(xs_.data, [tg])), _VF)
+                    term = builder.fmul(builder.fmul(dots, scale), xsc)
+                    builder.store(builder.fadd(builder.load(faccs[t]), term), faccs[t])
+            tsv = _splat(builder, tscale_, _VF)
+            for t in range(tokens):
+                out = at(y_, builder.add(builder.mul(rows[t], Np), builder.mul(b_, c(ROWS))), _VF)
+                builder.store(builder.fmul(builder.load(faccs[t]), tsv), out, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return block
+
+
+_VNNI = _host_has_vnni()
+_q8g_tile = _make_block("q8g", TOKEN_TILE, _VNNI)
+_q8g_one = _make_block("q8g", 1, _VNNI)
+_q4g_tile = _make_block("q4g", TOKEN_TILE, _VNNI)
+_q4g_one = _make_block("q4g", 1, _VNNI)
+
+
+@parallel_kernel
+def _q8g_product(X, qs, scales, tscale, Y):
+    """Y [T, 16NB] = X W^T from q8g codes qs [NB, G, 512], scales [NB, G, 16] (float16 bits)
+    and tscale [1]: activations quantised once, then row blocks in parallel, tokens in tiles."""
+    T = X.shape[0]
+    G = qs.shape[1]
+    xq = np.empty((T, G * GROUP), np.int8)
+    xsum = np.empty((T, G), np.int32)
+    xs = np.empty((T, G), np.float32)
+    for t in prange(T):
+        _quantize_token(X, t, xq, xsum, xs)
+    ts = tscale[0]
+    for b in prange(qs.shape[0]):
+        t = 0
+        while t + TOKEN_TILE <= T:
+            _q8g_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
+            t += TOKEN_TILE
+        while t < T:
+            _q8g_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
+            t += 1
+
+
+@parallel_kernel
+def _q4g_product(X, qs, scales, tscale, Y):
+    """As _q8g_product for q4g codes qs [NB, G, 256]."""
+    T = X.shape[0]
+    G = qs.shape[1]
+    xq = np.empty((T, G * GROUP), np.int8)
+    xsum = np.empty((T, G), np.int32)
+    xs = np.empty((T, G), np.float32)
+    for t in prange(T):
+        _quantize_token(X, t, xq, xsum, xs)
+    ts = tscale[0]
+    for b in prange(qs.shape[0]):
+        t = 0
+        while t + TOKEN_TILE <= T:
+            _q4g_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
+            t += TOKEN_TILE
+        while t < T:
+            _q4g_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
+            t += 1
