@@ -23,22 +23,6 @@ from waste.units import human_bytes, human_count, parse_count, parse_size
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2}
 SCHEMES = ("bf16", "f32", "q8", "q4")
 DEFAULT_SCHEME = "q4"
-# Dtype of tensors that are not matrices (norms, conv taps, gates, router), per scheme.
-_VECTOR_DTYPE_BYTES = {"bf16": 2, "f32": 4, "q8": 4, "q4": 4}
-ROUTER_SUFFIX = "block_sparse_moe.gate.weight"
-
-
-def matrix_format(scheme: str, *, routed_expert: bool) -> str:
-    """Storage format of a weight matrix under a quantisation scheme."""
-    if scheme not in SCHEMES:
-        raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
-    if scheme in ("bf16", "f32"):
-        return scheme
-    if scheme == "q4" and routed_expert:
-        return "q4g"
-    return "q8g"
-
-
 def matrix_bytes(fmt: str, shape: tuple[int, int]) -> int:
     """Bytes one matrix takes in a storage format, read off the format's buffer layout."""
     from waste.kernels.quant import buffer_layout
@@ -47,10 +31,15 @@ def matrix_bytes(fmt: str, shape: tuple[int, int]) -> int:
 
 
 def tensor_bytes(name: str, shape: tuple[int, ...], scheme: str, *, routed_expert: bool = False) -> int:
-    """Bytes of one checkpoint tensor once stored under `scheme`."""
-    if len(shape) == 2 and not name.endswith(ROUTER_SUFFIX):
-        return matrix_bytes(matrix_format(scheme, routed_expert=routed_expert), (shape[0], shape[1]))
-    return int(np.prod(shape)) * _VECTOR_DTYPE_BYTES[scheme]
+    """Bytes of one checkpoint tensor once stored under `scheme` ("bf16": as Hugging Face ships it)."""
+    from waste.container.format import storage_of
+
+    if scheme == "bf16":
+        return int(np.prod(shape)) * 2
+    kind, storage = storage_of(name, shape, scheme, routed_expert=routed_expert)
+    if kind == "matrix":
+        return matrix_bytes(storage, (shape[0], shape[1]))
+    return int(np.prod(shape)) * 4
 
 
 @dataclass(frozen=True)
@@ -100,34 +89,15 @@ class WeightBytes:
         return self.experts_total // max(self.expert_layers, 1)
 
 
-def _tensor_class(name: str) -> str:
-    if name == "model.embed_tokens.weight":
-        return "embedding"
-    if name == "lm_head.weight":
-        return "lm_head"
-    if ".shared_experts." in name:
-        return "shared_experts"
-    if name.endswith(ROUTER_SUFFIX) or name.endswith("e_score_correction_bias"):
-        return "router"
-    if ".mlp." in name:
-        return "dense_ffn"
-    if "norm" in name:
-        return "norms"
-    if ".self_attn." in name:
-        layer = int(name.split(".")[2])
-        return "attn_layer:" + str(layer)
-    return "other"
-
-
 def formula_weight_bytes(cfg: ModelConfig, scheme: str) -> WeightBytes:
     """Weight bytes priced from the expected tensor table and the formats' layouts."""
-    from waste.container.format import expected_expert_tensors, expected_tensors
+    from waste.container.format import expected_expert_tensors, expected_tensors, tensor_class
 
+    if scheme not in SCHEMES:
+        raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
     by_class: dict[str, int] = {}
     for name, shape in expected_tensors(cfg).items():
-        cls = _tensor_class(name)
-        if cls.startswith("attn_layer:"):
-            cls = cfg.layer_kinds[int(cls.split(":")[1])]
+        cls = tensor_class(name, cfg)
         by_class[cls] = by_class.get(cls, 0) + tensor_bytes(name, shape, scheme)
     per_expert = sum(
         tensor_bytes(name, shape, scheme, routed_expert=True) for name, shape in expected_expert_tensors(cfg).items()
