@@ -113,3 +113,13 @@ def test_console_script_exit_code(tmp_path):
     bad.write_text("{}")
     r = subprocess.run([sys.executable, "-m", "waste.cli", "plan", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2 and "'model_type' is missing" in r.stderr
+
+
+def test_tiny_expert_bytes_by_hand_quantised():
+    # docs/QUANT.md: rows in blocks of 16, K in groups of 32; per (block, group) q8g stores
+    # 512 code bytes + 16 float16 scales, q4g 256 + 16 x 2; plus one float32 tscale per matrix.
+    # w1, w3 [32, 64]: 2 blocks x 2 groups; w2 [64, 32]: 4 blocks x 1 group.
+    q8 = 2 * (2 * 2 * (512 + 32) + 4) + (4 * 1 * (512 + 32) + 4)
+    q4 = 2 * (2 * 2 * (256 + 32) + 4) + (4 * 1 * (256 + 32) + 4)
+    assert make_plan("tiny", scheme="q8").weights.per_expert == q8 == 6540
+    assert make_plan("tiny", scheme="q4").weights.per_expert == q4 == 3468
