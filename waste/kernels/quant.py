@@ -381,7 +381,10 @@ def _make_block(fmt: str, tokens: int, vnni: bool):
     @intrinsic
     def block(typingctx, qs, scales, xq, xsum, xs, Y, tscale, b, t0):
         arrays = (qs, scales, xq, xsum, xs, Y)
-        if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
+        dtypes = (types.int8 if fmt == "q8g" else types.uint8, types.uint16, types.int8, types.int32,
+                  types.float32, types.float32)
+        if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d
+                   for a, d in zip(arrays, dtypes, strict=True)):
             return None
         sig = types.void(*arrays, types.float32, types.intp, types.intp)
 

@@ -1,0 +1,265 @@
+"""Weight formats and quantised products against the float64 oracle in waste.reference.quant.
+
+Tolerances:
+- Quantised products against reference arithmetic on the same integers: 1e-6 of the output
+  scale (max |reference|). The integer dot per group is exact; what remains is float32
+  scaling and a float32 sum over K/32 groups, a few ulps of the largest partial sum.
+- Dequantised weights are code * scale * tscale with a float16 scale and a power-of-two
+  tscale: one float32 rounding, so they equal the float64 oracle rounded to float32.
+- Unquantised f32/bf16 products: 1e-5 of the output scale (float32 accumulation over <= 320).
+- Signal-to-noise bounds for Gaussian weights and activations (K = 1024), derived from the
+  step sizes: a uniform rounding error of step d has power d^2/12, and d = amax/127 (q8g)
+  or amax/8 (q4g) with amax ~ 2.1 sigma for 32 Gaussians, so q8g weights give ~46 dB and
+  int8 activations another ~46 dB (together ~43), q4g ~22 dB, bf16 (8-bit mantissa) ~56 dB.
+  Measured: f32 129, bf16 55.7, q8g 42.5, q4g 21.2 dB; the bounds leave 1-3 dB.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from waste.errors import WasteError
+from waste.jit import kernel
+from waste.kernels import quant as qk
+from waste.kernels.quant import FORMATS, QMatrix, buffer_layout, from_buffers, quantize
+from waste.reference import quant as ref
+
+QFORMATS = ("q8g", "q4g")
+SNR_BOUND_DB = {"f32": 120.0, "bf16": 53.0, "q8g": 40.0, "q4g": 20.0}
+
+
+def _rel(fast: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.abs(fast - exact).max() / max(np.abs(exact).max(), 1e-300))
+
+
+def test_buffer_layout_padding_and_bits_per_weight() -> None:
+    assert qk.bits_per_weight("f32", (4096, 2304)) == 32.0
+    assert qk.bits_per_weight("bf16", (4096, 2304)) == 16.0
+    assert abs(qk.bits_per_weight("q8g", (4096, 2304)) - 8.5) < 1e-4
+    assert abs(qk.bits_per_weight("q4g", (4096, 2304)) - 4.5) < 1e-4
+    # N pads to 16 rows and K to 32 inputs inside the format; the logical shape stays.
+    layout = {name: (dt, s) for name, dt, s in buffer_layout("q4g", (4, 16))}
+    assert layout == {"qs": (np.dtype(np.uint8), (1, 1, 256)), "scales": (np.dtype(np.float16), (1, 1, 16)),
+                      "tscale": (np.dtype(np.float32), (1,))}
+    assert buffer_layout("q8g", (4096, 128))[0][2] == (256, 4, 512)
+    for fmt in FORMATS:
+        m = quantize(np.ones((37, 70), np.float32), fmt)
+        assert m.shape == (37, 70)
+        assert [(k, b.dtype, b.shape) for k, b in m.buffers.items()] == buffer_layout(fmt, (37, 70))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_from_buffers_checks_every_buffer(fmt: str) -> None:
+    m = quantize(np.random.default_rng(0).standard_normal((20, 40)), fmt)
+    again = from_buffers(fmt, (20, 40), dict(m.buffers))
+    np.testing.assert_array_equal(again.dequantize(), m.dequantize())
+    name = next(iter(m.buffers))
+    with pytest.raises(WasteError, match=name):
+        from_buffers(fmt, (20, 40), {**m.buffers, name: m.buffers[name].astype(np.float64)})
+    with pytest.raises(WasteError, match=name):
+        from_buffers(fmt, (21, 40) if fmt in ("f32", "bf16") else (33, 40), m.buffers)
+    with pytest.raises(WasteError, match=name):
+        from_buffers(fmt, (20, 40), {})
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(WasteError, match="unknown weight format"):
+        quantize(np.ones((2, 2)), "q5")
+    with pytest.raises(WasteError, match="2-D"):
+        quantize(np.ones(4), "q8g")
+    with pytest.raises(WasteError, match="NaN or infinite"):
+        quantize(np.array([[1.0, np.nan]]), "q4g")
+    m = quantize(np.ones((3, 40)), "q8g")
+    with pytest.raises(WasteError, match=r"shape \(40,\)"):
+        m.matvec(np.ones(41, np.float32))
+    with pytest.raises(WasteError, match=r"\[T, 40\]"):
+        m.matmul(np.ones((2, 39), np.float32))
+    with pytest.raises(WasteError, match="out of range"):
+        m.take_rows(np.array([0, 3]))
+
+
+def test_activation_codes_match_reference() -> None:
+    rng = np.random.default_rng(1)
+    T, K = 6, 70
+    X = (rng.standard_normal((T, K)) * rng.uniform(1e-3, 1e3, (T, 1))).astype(np.float32)
+    X[1, 32:64] = 0.0  # an all-zero group
+    X[2, 5] = np.nan
+    X[3, 40] = -np.inf
+    X[4, :] = 0.25  # all equal: every code 127
+    G = 3
+    xq = np.full((T, G * 32), 99, np.int8)
+    xsum = np.full((T, G), -7, np.int32)
+    xs = np.full((T, G), np.nan, np.float32)
+    qk.quantize_activations(X, xq, xsum, xs)
+    codes, scales = ref.reference_quantize_activation(X)
+    np.testing.assert_array_equal(xq.reshape(T, G, 32), codes)
+    np.testing.assert_array_equal(xsum, codes.sum(axis=-1))
+    np.testing.assert_array_equal(xs, scales.astype(np.float32))
+    assert np.isnan(xs[2, 0]) and np.isnan(xs[3, 1]) and xs[1, 1] == 0 and np.all(xq[4, :70] == 127)
+    assert np.all(xq[:, 70:] == 0)
+
+
+SHAPES = [(37, 70, 9), (16, 32, 1), (4, 16, 5), (1, 33, 4), (96, 320, 13)]
+
+
+@pytest.mark.parametrize("fmt", QFORMATS)
+@pytest.mark.parametrize(("N", "K", "T"), SHAPES)
+def test_quantised_product_matches_reference(fmt: str, N: int, K: int, T: int) -> None:
+    rng = np.random.default_rng(N * 1000 + K + T)
+    w = (rng.standard_normal((N, K)) * rng.uniform(0.01, 3.0, (N, 1))).astype(np.float32)
+    X = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10.0, (T, 1))).astype(np.float32)
+    m = quantize(w, fmt)
+    Y = m.matmul(X)
+    exact = ref.reference_matmul(m, X)
+    assert Y.shape == (T, N) and Y.dtype == np.float32 and Y.flags.c_contiguous
+    assert _rel(Y, exact) <= 1e-6
+    for t in range(T):
+        y = m.matvec(X[t])
+        # One token and a chunk run the same per-token arithmetic: bit-identical.
+        np.testing.assert_array_equal(y, Y[t])
+        assert _rel(y, ref.reference_matvec(m, X[t])) <= 1e-6
+
+
+@pytest.mark.parametrize("fmt", ("f32", "bf16"))
+def test_unquantised_product_matches_reference(fmt: str) -> None:
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((37, 320)).astype(np.float32)
+    X = rng.standard_normal((5, 320)).astype(np.float32)
+    m = quantize(w, fmt)
+    assert _rel(m.matmul(X), ref.reference_matmul(m, X)) <= 1e-5
+    assert _rel(m.matvec(X[2]), ref.reference_matvec(m, X[2])) <= 1e-5
+    assert _rel(m.matmul(X[:1]), ref.reference_matmul(m, X[:1])) <= 1e-5
+
+
+def _generic_driver(fmt: str):
+    """A serial driver over the portable (non-VNNI) IR of the same blocks."""
+    tile = qk._make_block(fmt, qk.TOKEN_TILE, False)
+    one = qk._make_block(fmt, 1, False)
+
+    @kernel
+    def drive(qs, scales, tscale, xq, xsum, xs, Y):
+        T = xq.shape[0]
+        for b in range(qs.shape[0]):
+            t = 0
+            while t + 4 <= T:
+                tile(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
+                t += 4
+            while t < T:
+                one(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
+                t += 1
+
+    return drive
+
+
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_portable_lowering_gives_the_same_bits(fmt: str) -> None:
+    rng = np.random.default_rng(4)
+    N, K, T = 40, 100, 6
+    m = quantize(rng.standard_normal((N, K)), fmt)
+    X = rng.standard_normal((T, K)).astype(np.float32)
+    G = 4
+    xq, xsum, xs = np.empty((T, G * 32), np.int8), np.empty((T, G), np.int32), np.empty((T, G), np.float32)
+    qk.quantize_activations(X, xq, xsum, xs)
+    Y = np.full((T, 48), np.nan, np.float32)
+    _generic_driver(fmt)(m.buffers["qs"], m.buffers["scales"].view(np.uint16), m.buffers["tscale"], xq, xsum, xs, Y)
+    np.testing.assert_array_equal(Y[:, :N], m.matmul(X))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_and_take_rows(fmt: str) -> None:
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((37, 70)) * rng.uniform(1e-3, 1e2, (37, 1))).astype(np.float32)
+    m = quantize(w, fmt)
+    dq = m.dequantize()
+    assert dq.shape == (37, 70) and dq.dtype == np.float32
+    np.testing.assert_array_equal(dq, ref.reference_dequantize(m).astype(np.float32))
+    ids = np.array([36, 0, 17, 17, 5])
+    np.testing.assert_array_equal(m.take_rows(ids), dq[ids])
+    assert m.take_rows(np.array([], np.int64)).shape == (0, 70)
+
+
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_rounding_error_within_half_a_step(fmt: str) -> None:
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((48, 96)) * rng.uniform(1e-4, 1e4, (48, 1))).astype(np.float32)
+    err = np.abs(quantize(w, fmt).dequantize().astype(np.float64) - w).reshape(48, 3, 32)
+    amax = np.abs(w.astype(np.float64)).reshape(48, 3, 32).max(axis=-1, keepdims=True)
+    # The float16 scale is within 2^-11 of amax/127; q4g's opposite-sign extreme clips to +7,
+    # a full step away, every other weight is within half a step.
+    step = amax / qk.QMAX[fmt] * (1 + 2.0**-10)
+    assert np.all(err <= (0.5 if fmt == "q8g" else 1.0) * step)
+    if fmt == "q4g":
+        assert np.mean(err <= 0.5 * step) > 0.99
+
+
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_exact_round_trips(fmt: str) -> None:
+    rng = np.random.default_rng(7)
+    N, K = 20, 64
+    # Weights on the grid: codes times a float16 scale, each group holding its extreme code.
+    codes = rng.integers(-127, 128, (N, K // 32, 32)) if fmt == "q8g" else rng.integers(-7, 8, (N, K // 32, 32))
+    codes[:, :, 5] = 127 if fmt == "q8g" else -8
+    scales = rng.uniform(0.5, 1.0, (N, K // 32, 1)).astype(np.float16).astype(np.float64) * 2.0**-9
+    w = (codes * scales).reshape(N, K).astype(np.float32)
+    np.testing.assert_array_equal(quantize(w, fmt).dequantize(), w)
+    # Any weights: quantising the dequantised weights again changes nothing.
+    v = (rng.standard_normal((N, 50)) * rng.uniform(1e-3, 1e3, (N, 1))).astype(np.float32)
+    once = quantize(v, fmt).dequantize()
+    np.testing.assert_array_equal(quantize(once, fmt).dequantize(), once)
+    # A power-of-two rescale of the weights rescales the stored matrix exactly, tiny or huge.
+    for e in (-100, 60):
+        np.testing.assert_array_equal(quantize(np.ldexp(v, e), fmt).dequantize(), np.ldexp(once, e))
+
+
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_extreme_values(fmt: str) -> None:
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal(70).astype(np.float32)
+    # All equal: every weight of a group sits on the grid's extreme.
+    m = quantize(np.full((5, 70), -0.37, np.float32), fmt)
+    np.testing.assert_allclose(m.dequantize(), -0.37, rtol=2.0**-10)
+    assert _rel(m.matvec(x), ref.reference_matvec(m, x)) <= 1e-6
+    # One outlier: its group's other weights round on the outlier's step; others are unaffected.
+    w = (0.01 * rng.standard_normal((5, 70))).astype(np.float32)
+    w[2, 40] = 1000.0
+    m = quantize(w, fmt)
+    dq = m.dequantize()
+    assert dq[2, 40] == pytest.approx(1000.0, rel=2.0**-10)
+    np.testing.assert_allclose(dq[[0, 1, 3, 4]], w[[0, 1, 3, 4]], atol=0.01 * (0.03 if fmt == "q8g" else 0.4))
+    assert _rel(m.matvec(x), ref.reference_matvec(m, x)) <= 1e-6
+    # All zero: exact zeros.
+    z = quantize(np.zeros((3, 40), np.float32), fmt)
+    assert not z.matvec(x[:40]).any() and not z.dequantize().any()
+    # Zero rows and zero tokens.
+    e = quantize(np.zeros((0, 40), np.float32), fmt)
+    assert e.matvec(x[:40]).shape == (0,) and e.matmul(np.ones((3, 40))).shape == (3, 0)
+    assert e.dequantize().shape == (0, 40) and ref.reference_matmul(e, np.ones((3, 40))).shape == (3, 0)
+    assert quantize(w, fmt).matmul(np.zeros((0, 70), np.float32)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nan_activation_reaches_the_output(fmt: str) -> None:
+    rng = np.random.default_rng(9)
+    m = quantize(rng.standard_normal((20, 64)), fmt)
+    x = rng.standard_normal(64).astype(np.float32)
+    x[3] = np.nan
+    assert np.isnan(m.matvec(x)).all()
+
+
+def test_snr_within_format_bounds() -> None:
+    rng = np.random.default_rng(10)
+    w = (0.02 * rng.standard_normal((256, 1024))).astype(np.float32)
+    x = rng.standard_normal((8, 1024)).astype(np.float32)
+    snr = {fmt: qk.quantization_snr_db(w, fmt, x) for fmt in FORMATS}
+    print("SNR dB:", {k: round(v, 2) for k, v in snr.items()})
+    for fmt in FORMATS:
+        assert snr[fmt] >= SNR_BOUND_DB[fmt], (fmt, snr[fmt])
+    assert snr["f32"] > snr["bf16"] > snr["q8g"] > snr["q4g"]
+
+
+def test_qmatrix_is_frozen() -> None:
+    m = quantize(np.ones((2, 32)), "q8g")
+    assert isinstance(m, QMatrix)
+    with pytest.raises(AttributeError):
+        m.fmt = "q4g"  # type: ignore[misc]
