@@ -123,3 +123,25 @@ def test_tiny_expert_bytes_by_hand_quantised():
     q4 = 2 * (2 * 2 * (256 + 32) + 4) + (4 * 1 * (256 + 32) + 4)
     assert make_plan("tiny", scheme="q8").weights.per_expert == q8 == 6540
     assert make_plan("tiny", scheme="q4").weights.per_expert == q4 == 3468
+
+
+def test_plan_of_a_container_reads_the_manifest(tmp_path, capsys):
+    from waste.container.reader import open_container
+    from waste.testing import tiny_container
+
+    path = tiny_container(tmp_path / "q4", quant="q4")
+    plan = make_plan(str(path), context="1K")
+    with open_container(path) as c:
+        counts = c.byte_counts()
+        blob = c.expert_span(1, 0)[1]
+    assert plan.scheme == "q4" and plan.weights.source == "container"
+    assert plan.weights.trunk == counts["trunk_bytes"] and plan.weights.experts_total == counts["expert_bytes"]
+    # A pread fetches whole 4 KiB-aligned blobs, so the container's expert size is the blob's.
+    assert plan.weights.per_expert == blob == 4096 > make_plan("tiny", scheme="q4").weights.per_expert
+    # The trunk differs from the formula only by the 64-byte alignment of each tensor.
+    formula = make_plan("tiny", scheme="q4").weights.trunk
+    assert formula <= plan.weights.trunk < formula + 64 * len(c.names())
+    assert main(["plan", str(path), "--quant", "q8"]) == 2
+    assert "stored as 'q4'" in capsys.readouterr().err
+    assert main(["plan", str(path)]) == 0
+    assert "(container)" in capsys.readouterr().out
