@@ -16,6 +16,7 @@ import pytest
 from waste.errors import WasteError
 from waste.jit import kernel
 from waste.kernels import kda as kk
+from waste.kernels import short_conv as sc
 from waste.reference import kda as ref
 
 ATOL = 1e-6
@@ -94,20 +95,36 @@ def test_short_conv_sequence_and_ring() -> None:
     T, C, W = 10, 40, 4
     x = rng.standard_normal((T, C)).astype(np.float32)
     w = rng.standard_normal((C, 1, W)).astype(np.float32)
-    taps = kk.conv_taps(w)
+    taps = sc.conv_taps(w)
     want, want_ring = ref.naive_short_conv(x, w)
     ring = np.zeros((W - 1, C), np.float32)
-    y = kk.short_conv_silu(x, taps, ring)
+    y = sc.short_conv_silu(x, taps, ring)
     np.testing.assert_allclose(y, want, rtol=2e-6, atol=2e-6)
     np.testing.assert_array_equal(ring, want_ring)
     # prefill 2 (shorter than the ring), then 1, then token-by-token decode == one pass
     ring = np.zeros((W - 1, C), np.float32)
-    parts = [kk.short_conv_silu(x[:2], taps, ring), kk.short_conv_silu(x[2:3], taps, ring)]
-    parts += [kk.short_conv_silu_step(x[t], taps, ring)[None] for t in range(3, T)]
+    parts = [sc.short_conv_silu(x[:2], taps, ring), sc.short_conv_silu(x[2:3], taps, ring)]
+    parts += [sc.short_conv_silu_step(x[t], taps, ring)[None] for t in range(3, T)]
     np.testing.assert_allclose(np.concatenate(parts), y, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(ring, want_ring)
     with pytest.raises(WasteError):
-        kk.short_conv_silu(x, taps, np.zeros((W, C), np.float32))
+        sc.short_conv_silu(x, taps, np.zeros((W, C), np.float32))
+
+
+def test_stacked_conv_step_equals_separate_steps() -> None:
+    """The decode path runs the q, k, v convs in one call; it must equal three separate steps."""
+    rng = np.random.default_rng(14)
+    C, W = 48, 4
+    x = rng.standard_normal((3, C)).astype(np.float32)
+    taps = np.stack([sc.conv_taps(rng.standard_normal((C, 1, W)).astype(np.float32)) for _ in range(3)])
+    rings = rng.standard_normal((3, W - 1, C)).astype(np.float32)
+    separate_rings = rings.copy()
+    want = np.stack([sc.short_conv_silu_step(x[i], taps[i], separate_rings[i]) for i in range(3)])
+    got = sc.short_conv_silu_step(x, taps, rings)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(rings, separate_rings)
+    with pytest.raises(WasteError):
+        sc.short_conv_silu_step(x, taps[:2], rings)
 
 
 def test_gated_rmsnorm_matches_reference() -> None:
@@ -149,7 +166,7 @@ def test_kernels_write_every_output() -> None:
     kk._decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, o1)
     assert _maxdiff(o1, o_ref[0]) <= ATOL
     y = np.full((T, H * Kd), np.nan, np.float32)
-    kk._conv_seq_kernel(q.reshape(T, -1), np.ones((4, H * Kd), np.float32), np.zeros((3, H * Kd), np.float32), y)
+    sc._conv_seq_kernel(q.reshape(T, -1), np.ones((4, H * Kd), np.float32), np.zeros((3, H * Kd), np.float32), y)
     assert np.all(np.isfinite(y))
 
 

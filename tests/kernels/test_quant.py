@@ -167,6 +167,20 @@ def test_portable_lowering_gives_the_same_bits(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("N", "K", "T"), [(40, 72, 1), (33, 64, 7), (16, 32, 33)])
+def test_matmul_pair_equals_two_products(fmt: str, N: int, K: int, T: int) -> None:
+    rng = np.random.default_rng(31)
+    a, b = (quantize(rng.standard_normal((N, K)).astype(np.float32), fmt) for _ in range(2))
+    X = rng.standard_normal((T, K)).astype(np.float32)
+    ya, yb = qk.matmul_pair(X, a, b)
+    np.testing.assert_array_equal(ya, a.matmul(X))
+    np.testing.assert_array_equal(yb, b.matmul(X))
+    assert ya.shape == yb.shape == (T, N)
+    with pytest.raises(WasteError):
+        qk.matmul_pair(X[:, :-1], a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_and_take_rows(fmt: str) -> None:
     rng = np.random.default_rng(5)
     w = (rng.standard_normal((37, 70)) * rng.uniform(1e-3, 1e2, (37, 1))).astype(np.float32)

@@ -23,19 +23,26 @@ from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.kernels.kda import (
     a_log_per_head,
-    conv_taps,
     gated_rmsnorm,
     kda_decode_step,
     kda_gate_lower_bound,
     kda_gate_softplus,
     prefill_kda,
-    short_conv_silu,
-    short_conv_silu_step,
 )
-from waste.kernels.quant import QMatrix
+from waste.kernels.quant import QMatrix, matmul_pair
+from waste.kernels.short_conv import conv_taps, short_conv_silu, short_conv_silu_step
 
 GetMatrix = Callable[[str], QMatrix]
 GetTensor = Callable[[str], np.ndarray]
+
+
+def _matvec_pair(x: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.ndarray]:
+    """(a x, b x) for x [K]: one kernel call for two q matrices of one format and shape (the
+    same bits as two matvecs, and a decoded token makes many such small products)."""
+    if a.fmt == b.fmt and a.fmt in ("q8g", "q4g") and a.shape == b.shape:
+        ya, yb = matmul_pair(x[None, :], a, b)
+        return ya[0], yb[0]
+    return a.matvec(x), b.matvec(x)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -70,7 +77,8 @@ class KDALayer:
         self.eps = float(cfg.rms_norm_eps)
         self.lower_bound = cfg.gate_lower_bound if cfg.kda_gate == "lower_bound" else None
         self.qkv = qkv
-        self.taps = [conv_taps(w) for w in conv_weights]  # 3 x [W, H*K]
+        self.taps3 = np.stack([conv_taps(w) for w in conv_weights])  # [3, W, H*K]: the decode step's one conv call
+        self.taps = list(self.taps3)  # 3 x [W, H*K]
         self.a_log = a_log_per_head(a_log, self.H)  # [H]
         self.dt_bias = np.ascontiguousarray(dt_bias, np.float32).reshape(-1)  # [H*K]
         self.f_a, self.f_b, self.b_proj = f_a, f_b, b_proj
@@ -129,9 +137,7 @@ class KDALayer:
         return kda_gate_lower_bound(z, self.a_log, self.dt_bias, self.lower_bound, num_heads=self.H)
 
     def _output_gate(self, x: np.ndarray) -> np.ndarray:
-        """x [T, hidden] -> gate [T, H*K], or x [hidden] -> [H*K] (before the sigmoid)."""
-        if x.ndim == 1:
-            return self.gate[0].matvec(x) if len(self.gate) == 1 else self.gate[1].matvec(self.gate[0].matvec(x))
+        """x [T, hidden] -> gate [T, H*K] (before the sigmoid)."""
         return self.gate[0].matmul(x) if len(self.gate) == 1 else self.gate[1].matmul(self.gate[0].matmul(x))
 
     def _check_state(self, state: KDAState) -> None:
@@ -161,12 +167,19 @@ class KDALayer:
         x = np.ascontiguousarray(x, np.float32).reshape(-1)
         self._check_state(state)
         H, K = self.H, self.K
-        q, k, v = (short_conv_silu_step(m.matvec(x), taps, state.conv[i]).reshape(H, K)
-                   for i, (m, taps) in enumerate(zip(self.qkv, self.taps, strict=True)))
-        g = self._decay(self.f_b.matvec(self.f_a.matvec(x))[None, :])[0]
+        qkv = np.empty((3, H * K), np.float32)
+        qkv[0], qkv[1] = _matvec_pair(x, self.qkv[0], self.qkv[1])
+        qkv[2] = self.qkv[2].matvec(x)
+        q, k, v = short_conv_silu_step(qkv, self.taps3, state.conv).reshape(3, H, K)
+        if len(self.gate) == 2:
+            f, gate = _matvec_pair(x, self.f_a, self.gate[0])
+            gate = self.gate[1].matvec(gate)
+        else:
+            f, gate = self.f_a.matvec(x), self.gate[0].matvec(x)
+        g = self._decay(self.f_b.matvec(f)[None, :])[0]
         beta = _sigmoid(self.b_proj.matvec(x))
         o = kda_decode_step(q, k, v, g, beta, state.recurrent)
-        o = gated_rmsnorm(o, self._output_gate(x), self.o_norm, self.eps)
+        o = gated_rmsnorm(o, gate, self.o_norm, self.eps)
         return self.o_proj.matvec(o.reshape(H * K)), g, beta
 
     def decode(self, x: np.ndarray, state: KDAState) -> np.ndarray:

@@ -1,4 +1,6 @@
-"""Kimi Delta Attention (KDA) kernels: gates, short conv, gated RMSNorm, decode step, recurrence.
+"""Kimi Delta Attention (KDA) kernels: gates, gated RMSNorm, decode step, recurrence.
+
+The short convolution in front of q, k and v is in `waste.kernels.short_conv`.
 
 Semantics (FACTS.md): per token and head, with q, k L2-normalised (eps 1e-6 inside the
 root) and q scaled by K^-0.5 after the norm,
@@ -144,18 +146,32 @@ def _infer_heads(A_log: np.ndarray, hk: int) -> int:
     return n
 
 
+# Entering Numba's thread pool costs microseconds, more than the elementwise work of one
+# decoded token; up to this many elements these kernels run on the calling thread.
+SERIAL_ELEMENTS = 4096
+
+
+@kernel
+def _gate_token(z, a, bias, lower_bound, out, t):
+    H, K = z.shape[1], z.shape[2]
+    for h in range(H):
+        ah = a[h]
+        for i in range(K):
+            x = z[t, h, i] + bias[h, i]
+            if lower_bound < 0:
+                out[t, h, i] = np.float32(lower_bound) * fsigmoid(ah * x)
+            else:
+                out[t, h, i] = -ah * fsoftplus(x)
+
+
 @parallel_kernel
 def _gate_kernel(z, a, bias, lower_bound, out):
-    T, H, K = z.shape
-    for t in prange(T):
-        for h in range(H):
-            ah = a[h]
-            for i in range(K):
-                x = z[t, h, i] + bias[h, i]
-                if lower_bound < 0:
-                    out[t, h, i] = np.float32(lower_bound) * fsigmoid(ah * x)
-                else:
-                    out[t, h, i] = -ah * fsoftplus(x)
+    if z.size <= SERIAL_ELEMENTS:
+        for t in range(z.shape[0]):
+            _gate_token(z, a, bias, lower_bound, out, t)
+    else:
+        for t in prange(z.shape[0]):
+            _gate_token(z, a, bias, lower_bound, out, t)
 
 
 def kda_gate_softplus(z: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray, *,
@@ -182,115 +198,28 @@ def kda_gate_lower_bound(z: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray, 
 
 
 # ---------------------------------------------------------------------------------------------
-# short convolution with SiLU
-
-
-def conv_taps(w: np.ndarray) -> np.ndarray:
-    """Checkpoint conv weight [C, 1, W] (or [C, W]) -> taps-major [W, C] float32 for the kernels."""
-    w = np.asarray(w, np.float32)
-    if w.ndim == 3:
-        if w.shape[1] != 1:
-            raise WasteError(f"depthwise conv weight must be [C, 1, W], got {w.shape}")
-        w = w[:, 0, :]
-    if w.ndim != 2:
-        raise WasteError(f"conv weight must be [C, 1, W] or [C, W], got shape {w.shape}")
-    return np.ascontiguousarray(w.T)
-
-
-@parallel_kernel
-def _conv_seq_kernel(x, w, ring, y):
-    T, C = x.shape
-    W = w.shape[0]
-    R = W - 1
-    for t in prange(T):
-        for c in range(C):
-            y[t, c] = 0.0
-        for j in range(W):
-            # tap j sees input t - R + j; positions before the sequence come from the ring
-            s = t - R + j
-            src = x[s] if s >= 0 else ring[R + s]
-            for c in range(C):
-                y[t, c] += w[j, c] * src[c]
-        for c in range(C):
-            y[t, c] = y[t, c] * fsigmoid(y[t, c])
-
-
-@kernel
-def _conv_ring_update(x, ring):
-    T = x.shape[0]
-    R = ring.shape[0]
-    # the new ring is the last R rows of [ring; x]
-    if T >= R:
-        for r in range(R):
-            ring[r, :] = x[T - R + r, :]
-    else:
-        for r in range(R - T):
-            ring[r, :] = ring[r + T, :]
-        for r in range(T):
-            ring[R - T + r, :] = x[r, :]
-
-
-def short_conv_silu(x: np.ndarray, w_taps: np.ndarray, ring: np.ndarray) -> np.ndarray:
-    """Causal depthwise conv + SiLU over a sequence: x [T, C], w_taps [W, C], ring [W-1, C] -> y [T, C].
-
-    `ring` holds the W-1 inputs before x (oldest first, zeros at the start) and is left holding
-    the last W-1 inputs, exactly as token-by-token `short_conv_silu_step` would.
-    """
-    x = np.ascontiguousarray(x, np.float32)
-    _check_conv(x.shape[1], w_taps, ring)
-    y = np.empty_like(x)
-    _conv_seq_kernel(x, w_taps, ring, y)
-    _conv_ring_update(x, ring)
-    return y
-
-
-@kernel
-def _conv_step_kernel(x, w, ring, y):
-    C = x.shape[0]
-    R = ring.shape[0]
-    for c in range(C):
-        acc = w[R, c] * x[c]
-        for j in range(R):
-            acc += w[j, c] * ring[j, c]
-        y[c] = acc * fsigmoid(acc)
-    for r in range(R - 1):
-        for c in range(C):
-            ring[r, c] = ring[r + 1, c]
-    for c in range(C):
-        ring[R - 1, c] = x[c]
-
-
-def short_conv_silu_step(x: np.ndarray, w_taps: np.ndarray, ring: np.ndarray) -> np.ndarray:
-    """One decode step of the conv: x [C] -> y [C]; shifts x into `ring` [W-1, C]."""
-    x = np.ascontiguousarray(x, np.float32)
-    _check_conv(x.shape[0], w_taps, ring)
-    y = np.empty_like(x)
-    _conv_step_kernel(x, w_taps, ring, y)
-    return y
-
-
-def _check_conv(C: int, w_taps: np.ndarray, ring: np.ndarray) -> None:
-    if w_taps.dtype != np.float32 or w_taps.ndim != 2 or w_taps.shape[1] != C or not w_taps.flags.c_contiguous:
-        raise WasteError(f"conv taps must be contiguous float32 [W, {C}] (see conv_taps), got {w_taps.shape}")
-    R = w_taps.shape[0] - 1
-    if ring.dtype != np.float32 or ring.shape != (R, C) or not ring.flags.c_contiguous or R < 1:
-        raise WasteError(f"conv ring must be contiguous float32 [{R}, {C}], got {ring.dtype} {ring.shape}")
-
-
-# ---------------------------------------------------------------------------------------------
 # gated RMSNorm
+
+
+@kernel
+def _gated_rmsnorm_row(o, gate, weight, eps, out, n):
+    V = o.shape[1]
+    ss = np.float32(0.0)
+    for j in range(V):
+        ss += o[n, j] * o[n, j]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(V) + np.float32(eps))
+    for j in range(V):
+        out[n, j] = o[n, j] * r * weight[j] * fsigmoid(gate[n, j])
 
 
 @parallel_kernel
 def _gated_rmsnorm_kernel(o, gate, weight, eps, out):
-    N, V = o.shape
-    for n in prange(N):
-        ss = np.float32(0.0)
-        for j in range(V):
-            ss += o[n, j] * o[n, j]
-        r = np.float32(1.0) / np.sqrt(ss / np.float32(V) + np.float32(eps))
-        for j in range(V):
-            out[n, j] = o[n, j] * r * weight[j] * fsigmoid(gate[n, j])
+    if o.size <= SERIAL_ELEMENTS:
+        for n in range(o.shape[0]):
+            _gated_rmsnorm_row(o, gate, weight, eps, out, n)
+    else:
+        for n in prange(o.shape[0]):
+            _gated_rmsnorm_row(o, gate, weight, eps, out, n)
 
 
 def gated_rmsnorm(o: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

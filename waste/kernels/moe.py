@@ -22,7 +22,7 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel
-from waste.kernels.quant import QMatrix
+from waste.kernels.quant import QMatrix, matmul_pair
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
 
@@ -150,4 +150,9 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def swiglu(x: np.ndarray, w_gate: QMatrix, w_up: QMatrix, w_down: QMatrix) -> np.ndarray:
     """down(SiLU(gate x) * up x): x [T, in] -> [T, out], each projection one matmul over the rows."""
     x = np.ascontiguousarray(x, np.float32)
-    return w_down.matmul(silu_mul(w_gate.matmul(x), w_up.matmul(x)))
+    gate, up = matmul_pair(x, w_gate, w_up)  # contiguous float32 [T, I]: silu_mul's checks but the shapes
+    if gate.shape != up.shape:
+        raise WasteError(f"SwiGLU gate and up must be equal [T, I] arrays, got {gate.shape} and {up.shape}")
+    h = np.empty_like(gate)
+    _silu_mul(gate, up, h)
+    return w_down.matmul(h)

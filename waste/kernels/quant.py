@@ -64,6 +64,16 @@ class QMatrix:
     shape: tuple[int, int]
     buffers: dict[str, np.ndarray]
 
+    def __post_init__(self) -> None:
+        # A one-token decode makes hundreds of products, so what a q product derives from the
+        # buffers (the kernel, contiguous buffers, the scales' uint16 view) is derived once here.
+        if self.fmt in ("q8g", "q4g"):
+            qs, scales, tscale = (np.ascontiguousarray(self.buffers[b]) for b in ("qs", "scales", "tscale"))
+            product = _q8g_product if self.fmt == "q8g" else _q4g_product
+            scales = scales.view(np.uint16)
+            # qs[:0], scales[:0]: the empty second matrix of a single product
+            object.__setattr__(self, "_qargs", (product, qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
+
     @property
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self.buffers.values())
@@ -80,7 +90,7 @@ class QMatrix:
             y = np.empty(self.shape[0], np.float32)
             _bf16_matvec(self.buffers["w"], np.ascontiguousarray(x, np.float32), y)
             return y
-        return self.matmul(x[None, :])[0]
+        return _qproduct(self, np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
 
     def matmul(self, X: np.ndarray) -> np.ndarray:
         """Y = X W^T for a chunk: X [T, K] float32 -> Y [T, N] float32 (any T; blocks of 4 tokens)."""
@@ -134,6 +144,28 @@ class QMatrix:
             codes = np.concatenate([packed & 15, packed >> 4], axis=-1).astype(np.float32) - CODE_OFFSET["q4g"]
         scale = self.buffers["scales"][b, :, r].astype(np.float32) * self.buffers["tscale"][0]  # [L, G], exact
         return np.ascontiguousarray((codes * scale[:, :, None]).reshape(len(ids), g * GROUP)[:, :k])
+
+
+def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.ndarray]:
+    """(X a^T, X b^T) for X [T, K] float32: a SwiGLU's gate and up products.
+
+    Equal to (a.matmul(X), b.matmul(X)) bit for bit; when both are q matrices of one format and
+    shape it is one kernel call that quantises X once and runs both in one parallel region.
+    """
+    if a.fmt != b.fmt or a.fmt not in ("q8g", "q4g") or a.shape != b.shape:
+        return a.matmul(X), b.matmul(X)
+    X = np.asarray(X)
+    if X.ndim != 2 or X.shape[1] != a.shape[1]:
+        raise WasteError(f"{a.fmt} matrix {a.shape}: matmul input must have shape [T, {a.shape[1]}], got {X.shape}")
+    X = np.ascontiguousarray(X, np.float32)
+    product, qa, sa, ta, padded, _, _ = a._qargs  # type: ignore[attr-defined]
+    _, qb, sb, tb, _, _, _ = b._qargs  # type: ignore[attr-defined]
+    Ya = np.empty((X.shape[0], padded), np.float32)
+    Yb = np.empty_like(Ya)
+    product(X, qa, sa, ta, qb, sb, tb, Ya, Yb)
+    if padded != a.shape[0]:
+        return np.ascontiguousarray(Ya[:, :a.shape[0]]), np.ascontiguousarray(Yb[:, :a.shape[0]])
+    return Ya, Yb
 
 
 def padded_shape(shape: tuple[int, int]) -> tuple[int, int]:
@@ -321,13 +353,10 @@ def quantize_activations(X, xq, xsum, xs):
 
 def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
     """Y [T, N] = X W^T for a q-format matrix; X [T, K] float32 contiguous."""
-    n = m.shape[0]
-    nb = m.buffers["qs"].shape[0]
-    Y = np.empty((X.shape[0], nb * ROWS), np.float32)
-    qs, scales, tscale = (np.ascontiguousarray(m.buffers[b]) for b in ("qs", "scales", "tscale"))
-    product = _q8g_product if m.fmt == "q8g" else _q4g_product
-    product(X, qs, scales.view(np.uint16), tscale, Y)
-    return Y if nb * ROWS == n else np.ascontiguousarray(Y[:, :n])
+    product, qs, scales, tscale, padded, no_qs, no_scales = m._qargs  # type: ignore[attr-defined]
+    Y = np.empty((X.shape[0], padded), np.float32)
+    product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y)
+    return Y if padded == m.shape[0] else np.ascontiguousarray(Y[:, :m.shape[0]])
 
 
 # -- integer dot-product blocks (LLVM IR) --------------------------------------------------------
@@ -459,44 +488,94 @@ _q4g_tile = _make_block("q4g", TOKEN_TILE, _VNNI)
 _q4g_one = _make_block("q4g", 1, _VNNI)
 
 
-@parallel_kernel
-def _q8g_product(X, qs, scales, tscale, Y):
-    """Y [T, 16NB] = X W^T from q8g codes qs [NB, G, 512], scales [NB, G, 16] (float16 bits)
-    and tscale [1]: activations quantised once, then row blocks in parallel, tokens in tiles."""
-    T = X.shape[0]
-    G = qs.shape[1]
-    xq = np.empty((T, G * GROUP), np.int8)
-    xsum = np.empty((T, G), np.int32)
-    xs = np.empty((T, G), np.float32)
-    for t in prange(T):
-        _quantize_token(X, t, xq, xsum, xs)
-    ts = tscale[0]
-    for b in prange(qs.shape[0]):
-        t = 0
-        while t + TOKEN_TILE <= T:
-            _q8g_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
-            t += TOKEN_TILE
-        while t < T:
-            _q8g_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
-            t += 1
+# Entering Numba's thread pool costs microseconds, more than quantising a few tokens or
+# multiplying a small matrix; below these sizes the work runs on the calling thread. Every
+# output element is computed by the same code either way, so the bits do not change.
+SERIAL_TOKENS = 4  # tokens quantised serially
+SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
+
+
+@kernel
+def _q8g_rows(qs, scales, xq, xsum, xs, Y, ts, b):
+    """Row block b of Y for all tokens: tiles of TOKEN_TILE tokens, then one at a time."""
+    T = Y.shape[0]
+    t = 0
+    while t + TOKEN_TILE <= T:
+        _q8g_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        t += TOKEN_TILE
+    while t < T:
+        _q8g_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        t += 1
+
+
+@kernel
+def _q4g_rows(qs, scales, xq, xsum, xs, Y, ts, b):
+    """As _q8g_rows for q4g codes."""
+    T = Y.shape[0]
+    t = 0
+    while t + TOKEN_TILE <= T:
+        _q4g_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        t += TOKEN_TILE
+    while t < T:
+        _q4g_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        t += 1
 
 
 @parallel_kernel
-def _q4g_product(X, qs, scales, tscale, Y):
-    """As _q8g_product for q4g codes qs [NB, G, 256]."""
+def _q8g_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
+    """Ya [T, 16NA] = X A^T and Yb [T, 16NB] = X B^T for q8g matrices A, B with the same G (B may
+    have no row blocks): codes q [NB, G, 512], scales [NB, G, 16] (float16 bits), tscale [1].
+    The activations are quantised once, then the row blocks of both run in parallel."""
     T = X.shape[0]
-    G = qs.shape[1]
+    G = qa.shape[1]
     xq = np.empty((T, G * GROUP), np.int8)
     xsum = np.empty((T, G), np.int32)
     xs = np.empty((T, G), np.float32)
-    for t in prange(T):
-        _quantize_token(X, t, xq, xsum, xs)
-    ts = tscale[0]
-    for b in prange(qs.shape[0]):
-        t = 0
-        while t + TOKEN_TILE <= T:
-            _q4g_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
-            t += TOKEN_TILE
-        while t < T:
-            _q4g_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
-            t += 1
+    if T <= SERIAL_TOKENS:
+        for t in range(T):
+            _quantize_token(X, t, xq, xsum, xs)
+    else:
+        for t in prange(T):
+            _quantize_token(X, t, xq, xsum, xs)
+    NA = qa.shape[0]
+    if (qa.size + qb.size) * T <= SERIAL_BYTES:
+        for i in range(NA + qb.shape[0]):
+            if i < NA:
+                _q8g_rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+            else:
+                _q8g_rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
+    else:
+        for i in prange(NA + qb.shape[0]):
+            if i < NA:
+                _q8g_rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+            else:
+                _q8g_rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
+
+
+@parallel_kernel
+def _q4g_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
+    """As _q8g_product for q4g codes q [NB, G, 256]."""
+    T = X.shape[0]
+    G = qa.shape[1]
+    xq = np.empty((T, G * GROUP), np.int8)
+    xsum = np.empty((T, G), np.int32)
+    xs = np.empty((T, G), np.float32)
+    if T <= SERIAL_TOKENS:
+        for t in range(T):
+            _quantize_token(X, t, xq, xsum, xs)
+    else:
+        for t in prange(T):
+            _quantize_token(X, t, xq, xsum, xs)
+    NA = qa.shape[0]
+    if (qa.size + qb.size) * T <= SERIAL_BYTES:
+        for i in range(NA + qb.shape[0]):
+            if i < NA:
+                _q4g_rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+            else:
+                _q4g_rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
+    else:
+        for i in prange(NA + qb.shape[0]):
+            if i < NA:
+                _q4g_rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+            else:
+                _q4g_rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
