@@ -85,3 +85,19 @@ def load_checkpoint(hf_dir: str | Path) -> dict[str, np.ndarray]:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 out[name] = f.get_tensor(name).astype(np.float32)
     return out
+
+
+def kda_inputs(rng: np.random.Generator, T: int, H: int, K: int, V: int, g: np.ndarray | None = None
+               ) -> tuple[np.ndarray, ...]:
+    """Random float32 KDA inputs as fla's tests draw them: q, k [T, H, K], v [T, H, V],
+    g [T, H, K] (log-sigmoid of normals, < 0) unless given, beta [T, H] in (0, 1), and an
+    initial state [H, K, V]."""
+    f = np.float32
+    q = rng.standard_normal((T, H, K)).astype(f)
+    k = rng.standard_normal((T, H, K)).astype(f)
+    v = rng.standard_normal((T, H, V)).astype(f)
+    if g is None:
+        g = -np.logaddexp(0.0, -rng.standard_normal((T, H, K)))
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((T, H))))
+    s0 = (0.1 * rng.standard_normal((H, K, V))).astype(f)
+    return q, k, v, np.asarray(g).astype(f), beta.astype(f), s0

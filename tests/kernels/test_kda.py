@@ -18,6 +18,7 @@ from waste.jit import kernel
 from waste.kernels import kda as kk
 from waste.kernels import short_conv as sc
 from waste.reference import kda as ref
+from waste.testing import kda_inputs
 
 ATOL = 1e-6
 
@@ -26,19 +27,6 @@ ATOL = 1e-6
 def _exp_all(x, out):
     for i in range(x.size):
         out[i] = kk.fexp(x[i])
-
-
-def _inputs(rng: np.random.Generator, T: int, H: int, Kd: int, V: int, g: np.ndarray | None = None):
-    """float32 q, k, v, g (log-sigmoid of normals, as fla's tests), beta, initial state."""
-    f = np.float32
-    q = rng.standard_normal((T, H, Kd)).astype(f)
-    k = rng.standard_normal((T, H, Kd)).astype(f)
-    v = rng.standard_normal((T, H, V)).astype(f)
-    if g is None:
-        g = -np.logaddexp(0.0, -rng.standard_normal((T, H, Kd)))
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((T, H))))
-    s0 = (0.1 * rng.standard_normal((H, Kd, V))).astype(f)
-    return q, k, v, g.astype(f), beta.astype(f), s0
 
 
 def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
@@ -139,7 +127,7 @@ def test_gated_rmsnorm_matches_reference() -> None:
 @pytest.mark.parametrize(("T", "H", "Kd"), [(24, 4, 32), (64, 32, 128)])
 def test_recurrent_and_decode_match_reference(T: int, H: int, Kd: int, record_property) -> None:
     rng = np.random.default_rng(T + H)
-    q, k, v, g, beta, s0 = _inputs(rng, T, H, Kd, Kd)
+    q, k, v, g, beta, s0 = kda_inputs(rng, T, H, Kd, Kd)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = kk.recurrent_kda(q, k, v, g, beta, initial_state=s0)
     err_o, err_s = _maxdiff(o, o_ref), _maxdiff(s, s_ref)
@@ -155,7 +143,7 @@ def test_recurrent_and_decode_match_reference(T: int, H: int, Kd: int, record_pr
 def test_kernels_write_every_output() -> None:
     rng = np.random.default_rng(14)
     T, H, Kd, V = 70, 2, 16, 12  # T spans two time tiles, V an odd number of column pairs
-    q, k, v, g, beta, s0 = _inputs(rng, T, H, Kd, V)
+    q, k, v, g, beta, s0 = kda_inputs(rng, T, H, Kd, V)
     o = np.full((T, H, V), np.nan, np.float32)
     state = s0.copy()
     kk._recurrent_kernel(q, k, v, g, beta, Kd**-0.5, True, state, o)
@@ -172,7 +160,7 @@ def test_kernels_write_every_output() -> None:
 
 def test_options_scale_and_no_l2norm() -> None:
     rng = np.random.default_rng(15)
-    q, k, v, g, beta, s0 = _inputs(rng, 9, 2, 8, 8)
+    q, k, v, g, beta, s0 = kda_inputs(rng, 9, 2, 8, 8)
     k = k / np.linalg.norm(k, axis=-1, keepdims=True)  # keep the un-normalised run stable
     for kw in ({"scale": 0.3}, {"l2norm_qk": False}):
         o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, **kw)
@@ -194,7 +182,7 @@ def test_recurrent_strong_decays(variant: str) -> None:
         g = kk.kda_gate_lower_bound(z + 30, np.zeros(H, np.float32), bias, -5.0)  # at the -5 floor
     else:
         g = kk.kda_gate_softplus(z, np.full(H, 5.0, np.float32), bias)  # exp(A_log) = 148
-    q, k, v, g, beta, s0 = _inputs(rng, T, H, Kd, Kd, g)
+    q, k, v, g, beta, s0 = kda_inputs(rng, T, H, Kd, Kd, g)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = kk.recurrent_kda(q, k, v, g, beta, initial_state=s0)
     assert _maxdiff(o, o_ref) <= 1e-5 and _maxdiff(s, s_ref) <= 1e-5
@@ -202,7 +190,7 @@ def test_recurrent_strong_decays(variant: str) -> None:
 
 def test_prefill_kda_and_bad_shapes() -> None:
     rng = np.random.default_rng(17)
-    q, k, v, g, beta, s0 = _inputs(rng, 7, 2, 8, 8)
+    q, k, v, g, beta, s0 = kda_inputs(rng, 7, 2, 8, 8)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = kk.prefill_kda(q, k, v, g, beta, initial_state=s0)
     assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(s, s_ref) <= ATOL

@@ -14,20 +14,9 @@ from waste.errors import WasteError
 from waste.kernels.kda import kda_decode_step, kda_gate_lower_bound, kda_gate_softplus, recurrent_kda
 from waste.kernels.kda_chunk import _chunk_kernel, chunk_kda
 from waste.reference.kda import naive_recurrent_kda
+from waste.testing import kda_inputs
 
 ATOL = 1e-6
-
-
-def _inputs(rng: np.random.Generator, T: int, H: int, Kd: int, V: int, g: np.ndarray | None = None):
-    f = np.float32
-    q = rng.standard_normal((T, H, Kd)).astype(f)
-    k = rng.standard_normal((T, H, Kd)).astype(f)
-    v = rng.standard_normal((T, H, V)).astype(f)
-    if g is None:
-        g = -np.logaddexp(0.0, -rng.standard_normal((T, H, Kd)))
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((T, H))))
-    s0 = (0.1 * rng.standard_normal((H, Kd, V))).astype(f)
-    return q, k, v, g.astype(f), beta.astype(f), s0
 
 
 def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
@@ -39,7 +28,7 @@ def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
 def test_chunk_equals_recurrent(T: int, chunk: int) -> None:
     rng = np.random.default_rng(T * 7 + chunk)
-    q, k, v, g, beta, s0 = _inputs(rng, T, 3, 32, 24)
+    q, k, v, g, beta, s0 = kda_inputs(rng, T, 3, 32, 24)
     o_r, s_r = recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o_c, s_c = chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
     assert _maxdiff(o_c, o_r) <= ATOL and _maxdiff(s_c, s_r) <= ATOL
@@ -47,7 +36,7 @@ def test_chunk_equals_recurrent(T: int, chunk: int) -> None:
 
 def test_chunk_real_shape_against_reference(record_property) -> None:
     rng = np.random.default_rng(21)
-    q, k, v, g, beta, s0 = _inputs(rng, 64, 32, 128, 128)
+    q, k, v, g, beta, s0 = kda_inputs(rng, 64, 32, 128, 128)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0)
     err_o, err_s = _maxdiff(o, o_ref), _maxdiff(s, s_ref)
@@ -67,7 +56,7 @@ def test_chunk_strong_decays(variant: str, chunk: int) -> None:
         g = kda_gate_lower_bound(z + 6, np.zeros(H, np.float32), bias, -5.0)
     else:
         g = kda_gate_softplus(z, np.full(H, 5.0, np.float32), bias)  # exp(A_log) = 148, no floor
-    q, k, v, g, beta, s0 = _inputs(rng, T, H, Kd, Kd, g)
+    q, k, v, g, beta, s0 = kda_inputs(rng, T, H, Kd, Kd, g)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
     assert _maxdiff(o, o_ref) <= 1e-5 and _maxdiff(s, s_ref) <= 1e-5
@@ -76,7 +65,7 @@ def test_chunk_strong_decays(variant: str, chunk: int) -> None:
 def test_prefill_then_decode_equals_one_pass() -> None:
     rng = np.random.default_rng(23)
     T1, T2 = 70, 5
-    q, k, v, g, beta, s0 = _inputs(rng, T1 + T2, 2, 16, 16)
+    q, k, v, g, beta, s0 = kda_inputs(rng, T1 + T2, 2, 16, 16)
     o_all, s_all = recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o1, state = chunk_kda(q[:T1], k[:T1], v[:T1], g[:T1], beta[:T1], initial_state=s0)
     o2 = [kda_decode_step(q[t], k[t], v[t], g[t], beta[t], state) for t in range(T1, T1 + T2)]
@@ -87,7 +76,7 @@ def test_prefill_then_decode_equals_one_pass() -> None:
 def test_chunk_kernel_writes_every_output() -> None:
     rng = np.random.default_rng(24)
     T, H, Kd, V = 37, 2, 16, 11
-    q, k, v, g, beta, s0 = _inputs(rng, T, H, Kd, V)
+    q, k, v, g, beta, s0 = kda_inputs(rng, T, H, Kd, V)
     o = np.full((T, H, V), np.nan, np.float32)
     state = s0.copy()
     _chunk_kernel(q, k, v, g, beta, Kd**-0.5, True, 16, state, o)
@@ -97,7 +86,7 @@ def test_chunk_kernel_writes_every_output() -> None:
 
 def test_chunk_options_and_errors() -> None:
     rng = np.random.default_rng(25)
-    q, k, v, g, beta, s0 = _inputs(rng, 20, 2, 8, 8)
+    q, k, v, g, beta, s0 = kda_inputs(rng, 20, 2, 8, 8)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, scale=0.25)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, scale=0.25, chunk_size=7)
     assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(s, s_ref) <= ATOL

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from waste.testing import kda_inputs
+
 SEED_SHAPES = ((24, 4, 32, 32), (64, 32, 128, 128))  # (T, H, K, V)
 # The seed's figures for its C decode step against fla's float32 naive recurrence.
 SEED_FIGURES = {(24, 4, 32, 32): (3.7e-08, 2.4e-07), (64, 32, 128, 128): (4.1e-08, 1.8e-07)}
@@ -25,15 +27,8 @@ SEED_FIGURES = {(24, 4, 32, 32): (3.7e-08, 2.4e-07), (64, 32, 128, 128): (4.1e-0
 
 def random_kda_inputs(T: int, H: int, K: int, V: int, seed: int = 0) -> dict[str, np.ndarray]:
     """q, k [T, H, K], v [T, H, V], g [T, H, K] (log decay, < 0), beta [T, H], all float32."""
-    rng = np.random.default_rng(seed)
-    z = rng.standard_normal((T, H, K))
-    return {
-        "q": rng.standard_normal((T, H, K)).astype(np.float32),
-        "k": rng.standard_normal((T, H, K)).astype(np.float32),
-        "v": rng.standard_normal((T, H, V)).astype(np.float32),
-        "g": (-np.logaddexp(0.0, -z)).astype(np.float32),
-        "beta": (1.0 / (1.0 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32),
-    }
+    q, k, v, g, beta, _ = kda_inputs(np.random.default_rng(seed), T, H, K, V)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
 
 
 def dims_label(T: int, H: int, K: int, V: int) -> str:
