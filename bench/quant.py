@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numba
 import numpy as np
+from common import machine_info, write_json
 
-from waste.jit import num_threads
 from waste.kernels import quant as qk
 
 SHAPES = [  # (name, N, K)
@@ -102,16 +100,9 @@ def blas_info() -> dict[str, object]:
     return info
 
 
-def machine_info() -> dict[str, object]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "numba_threads": num_threads(),
-            "numba_threading_layer": _threading_layer(), "numba": numba.__version__, "numpy": np.__version__,
-            "vnni_kernels": qk._VNNI, "python": platform.python_version()}
+def quant_machine_info() -> dict[str, object]:
+    """The shared machine description plus what decides these kernels' speed."""
+    return {**machine_info(), "numba_threading_layer": _threading_layer(), "vnni_kernels": qk._VNNI}
 
 
 def _threading_layer() -> str:
@@ -154,7 +145,7 @@ def run(shapes: list[tuple[str, int, int]], rounds: int) -> dict[str, object]:
     for name, n, k in shapes:
         results.append(measure_shape(name, n, k, rng, rounds))
         print_row(results[-1])
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": quant_machine_info(),
             "blas": blas_info(), "load_average_at_end": os.getloadavg(), "shapes": results,
             "targets": check_targets(results)}
 
@@ -194,7 +185,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quant.json")
     args = parser.parse_args()
     shapes = [s for s in SHAPES if not (args.quick and s[0] == "lm_head")]
-    info = machine_info()
+    info = quant_machine_info()
     print(f"{info['cpu']}, {info['cores']} cores, Numba {info['numba']} ({info['numba_threads']} threads), "
           f"NumPy {info['numpy']}, VNNI kernels: {info['vnni_kernels']}")
     blas = blas_info()
@@ -207,11 +198,7 @@ def main() -> int:
     for t in report["targets"]:
         print(f"target {t['format']} {t['op']} on {t['shape']}: {t['ratio']:.2f}x NumPy (>= {t['target']}): "
               f"{'met' if t['met'] else 'MISSED'}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return 0
 
 
