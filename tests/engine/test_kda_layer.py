@@ -105,10 +105,10 @@ def test_prefill_then_decode_equals_one_prefill_and_state_helpers() -> None:
     np.testing.assert_allclose(split.recurrent, one.recurrent, rtol=1e-5, atol=1e-6)
     # the rings hold projections, and a [T, hidden] matmul rounds differently from a matvec
     np.testing.assert_allclose(split.conv, one.conv, rtol=1e-5, atol=1e-6)
-    # copy() is deep, nbytes counts both buffers
+    # copy() is deep, nbytes counts every buffer (state, rings, the pending rank-1 vectors)
     assert not np.array_equal(snapshot.recurrent, split.recurrent)
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
-    assert one.nbytes == 4 * (H * K * K + 3 * (cfg.short_conv_kernel - 1) * H * K)
+    assert one.nbytes == 4 * (H * K * K + 3 * (cfg.short_conv_kernel - 1) * H * K + 2 * H * K)
     # inspect_decode advances the state exactly like decode and exposes decay, beta, state
     a, b = split.copy(), split.copy()
     y_a = layer.decode(x[0], a)
@@ -131,6 +131,24 @@ def test_layer_rejects_bad_weights_and_state() -> None:
     with pytest.raises(WasteError, match="A_log"):
         _layer(cfg, bad)
     layer = _layer(cfg, w)
-    wrong = KDAState(np.zeros((1, 2, 2), np.float32), np.zeros((3, 3, 64), np.float32))
+    wrong = KDAState.zeros(1, 2, (3, 3, 64))
     with pytest.raises(WasteError):
         layer.decode(np.zeros(cfg.hidden_size, np.float32), wrong)
+
+
+def test_reading_the_state_mid_decode_changes_no_bits() -> None:
+    """Decode leaves a rank-1 update pending; reading `recurrent` folds it in early, which must
+    round exactly as the next step would (observers and session saves read the state)."""
+    cfg = load_preset("tiny")
+    rng = np.random.default_rng(34)
+    layer = _layer(cfg, _weights(cfg, rng))
+    x = rng.standard_normal((6, cfg.hidden_size), dtype=np.float32)
+    watched, unwatched = layer.new_state(), layer.new_state()
+    layer.prefill(x[:2], watched)
+    layer.prefill(x[:2], unwatched)
+    for t in range(2, 6):
+        np.testing.assert_array_equal(layer.decode(x[t], watched), layer.decode(x[t], unwatched))
+        assert unwatched.has_pending
+        watched.recurrent  # noqa: B018 - the read is the point
+        assert not watched.has_pending and not np.any(watched.pending_d)
+    np.testing.assert_array_equal(watched.recurrent, unwatched.recurrent)

@@ -138,6 +138,46 @@ def test_recurrent_and_decode_match_reference(T: int, H: int, Kd: int, record_pr
     err_o, err_s = _maxdiff(o_dec, o_ref), _maxdiff(state, s_ref)
     record_property("decode_max_diff", (err_o, err_s))
     assert err_o <= ATOL and err_s <= ATOL, (err_o, err_s)
+    o_def, state = _deferred_decode(q, k, v, g, beta, s0)
+    err_o, err_s = _maxdiff(o_def, o_ref), _maxdiff(state, s_ref)
+    record_property("deferred_decode_max_diff", (err_o, err_s))
+    assert err_o <= ATOL and err_s <= ATOL, (err_o, err_s)
+
+
+def _deferred_decode(q, k, v, g, beta, s0, fold_after=(), **kw):
+    """All tokens through kda_decode_step_deferred from s0 (folding the pending update in after
+    the listed tokens and at the end): (o [T, H, V], final state [H, K, V])."""
+    T, H, Kd = q.shape
+    base = s0.copy()
+    pk, pd = np.zeros((H, Kd), np.float32), np.zeros((H, v.shape[2]), np.float32)
+    o = []
+    for t in range(T):
+        o.append(kk.kda_decode_step_deferred(q[t], k[t], v[t], g[t], beta[t], base, pk, pd, **kw))
+        if t in fold_after:
+            kk.apply_pending(base, pk, pd)
+    kk.apply_pending(base, pk, pd)
+    assert not np.any(pk) and not np.any(pd)
+    return np.stack(o), base
+
+
+@pytest.mark.parametrize(("Kd", "V"), [(6, 5), (7, 16), (13, 9)])
+def test_deferred_decode_any_head_size(Kd: int, V: int) -> None:
+    """Head sizes that leave one to three rows after the groups of four."""
+    rng = np.random.default_rng(Kd * V)
+    q, k, v, g, beta, s0 = kda_inputs(rng, 11, 3, Kd, V)
+    o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    o, s = _deferred_decode(q, k, v, g, beta, s0)
+    assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(s, s_ref) <= ATOL
+
+
+@pytest.mark.parametrize("Kd", [32, 7])
+def test_folding_the_pending_update_early_changes_no_bits(Kd: int) -> None:
+    rng = np.random.default_rng(18)
+    q, k, v, g, beta, s0 = kda_inputs(rng, 12, 4, Kd, 9)
+    o_late, s_late = _deferred_decode(q, k, v, g, beta, s0)
+    o_early, s_early = _deferred_decode(q, k, v, g, beta, s0, fold_after=(0, 3, 4, 8))
+    np.testing.assert_array_equal(o_early, o_late)
+    np.testing.assert_array_equal(s_early, s_late)
 
 
 def test_kernels_write_every_output() -> None:
@@ -152,6 +192,11 @@ def test_kernels_write_every_output() -> None:
     o1 = np.full((H, V), np.nan, np.float32)
     state = s0.copy()
     kk._decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, o1)
+    assert _maxdiff(o1, o_ref[0]) <= ATOL
+    o1[:] = np.nan
+    state = s0.copy()
+    pk, pd = np.zeros((H, Kd), np.float32), np.zeros((H, V), np.float32)
+    kk._deferred_decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, pk, pd, o1)
     assert _maxdiff(o1, o_ref[0]) <= ATOL
     y = np.full((T, H * Kd), np.nan, np.float32)
     sc._conv_seq_kernel(q.reshape(T, -1), np.ones((4, H * Kd), np.float32), np.zeros((3, H * Kd), np.float32), y)
@@ -170,6 +215,8 @@ def test_options_scale_and_no_l2norm() -> None:
         o1 = kk.kda_decode_step(q[0], k[0], v[0], g[0], beta[0], state, **kw)
         o1_ref = ref.naive_recurrent_kda(q[:1], k[:1], v[:1], g[:1], beta[:1], initial_state=s0, **kw)[0][0]
         assert _maxdiff(o1, o1_ref) <= ATOL
+        o_def, s_def = _deferred_decode(q, k, v, g, beta, s0, **kw)
+        assert _maxdiff(o_def, o_ref) <= ATOL and _maxdiff(s_def, s_ref) <= ATOL
 
 
 @pytest.mark.parametrize("variant", ["lower_bound", "softplus"])
@@ -200,3 +247,8 @@ def test_prefill_kda_and_bad_shapes() -> None:
         kk.recurrent_kda(q, k, v, g, beta, initial_state=np.zeros((2, 8, 9)))
     with pytest.raises(WasteError):
         kk.kda_decode_step(q[0], k[0], v[0], g[0], beta[0], np.zeros((2, 8, 8)))  # float64 state
+    state, pk, pd = s0.copy(), np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32)
+    with pytest.raises(WasteError, match="pending_d"):
+        kk.kda_decode_step_deferred(q[0], k[0], v[0], g[0], beta[0], state, pk, pd[:, :7].copy())
+    with pytest.raises(WasteError, match="pending_k"):
+        kk.apply_pending(state, pk.astype(np.float64), pd)

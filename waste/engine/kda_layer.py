@@ -23,8 +23,9 @@ from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.kernels.kda import (
     a_log_per_head,
+    apply_pending,
     gated_rmsnorm,
-    kda_decode_step,
+    kda_decode_step_deferred,
     kda_gate_lower_bound,
     kda_gate_softplus,
     prefill_kda,
@@ -52,17 +53,40 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 @dataclass
 class KDAState:
-    """Session state of one KDA layer."""
+    """Session state of one KDA layer.
 
-    recurrent: np.ndarray  # [H, K, V] float32, row-major by K
+    Decoding leaves each token's rank-1 update pending for the next token's single pass over
+    the state (`kda_decode_step_deferred`), so the recurrent state is base + pending_k
+    pending_d^T. Read it through `recurrent`, which folds the pending update in first; that
+    rounds exactly as the next step would, so reading never changes later bits.
+    """
+
+    base: np.ndarray  # [H, K, V] float32, row-major by K
     conv: np.ndarray  # [3, kernel-1, H*K] float32: last inputs of the q, k, v convs, oldest first
+    pending_k: np.ndarray  # [H, K] float32
+    pending_d: np.ndarray  # [H, V] float32
+    has_pending: bool = False
+
+    @classmethod
+    def zeros(cls, H: int, K: int, conv_shape: tuple[int, int, int]) -> KDAState:
+        return cls(np.zeros((H, K, K), np.float32), np.zeros(conv_shape, np.float32),
+                   np.zeros((H, K), np.float32), np.zeros((H, K), np.float32))
+
+    @property
+    def recurrent(self) -> np.ndarray:
+        """The recurrent state [H, K, V] (after folding in any pending update; writable)."""
+        if self.has_pending:
+            apply_pending(self.base, self.pending_k, self.pending_d)
+            self.has_pending = False
+        return self.base
 
     def copy(self) -> KDAState:
-        return KDAState(self.recurrent.copy(), self.conv.copy())
+        return KDAState(self.base.copy(), self.conv.copy(), self.pending_k.copy(), self.pending_d.copy(),
+                        self.has_pending)
 
     @property
     def nbytes(self) -> int:
-        return int(self.recurrent.nbytes + self.conv.nbytes)
+        return int(self.base.nbytes + self.conv.nbytes + self.pending_k.nbytes + self.pending_d.nbytes)
 
 
 class KDALayer:
@@ -127,8 +151,7 @@ class KDALayer:
 
     def new_state(self) -> KDAState:
         """Zero recurrent state and zero conv history."""
-        HK = self.H * self.K
-        return KDAState(np.zeros((self.H, self.K, self.K), np.float32), np.zeros((3, self.W - 1, HK), np.float32))
+        return KDAState.zeros(self.H, self.K, (3, self.W - 1, self.H * self.K))
 
     def _decay(self, z: np.ndarray) -> np.ndarray:
         """z [T, H*K] -> g [T, H, K] (log space)."""
@@ -142,9 +165,9 @@ class KDALayer:
 
     def _check_state(self, state: KDAState) -> None:
         HK = self.H * self.K
-        if (state.recurrent.shape != (self.H, self.K, self.K) or state.conv.shape != (3, self.W - 1, HK)
-                or state.recurrent.dtype != np.float32 or state.conv.dtype != np.float32):
-            raise WasteError(f"KDA state does not fit this layer: recurrent {state.recurrent.shape}, "
+        if (state.base.shape != (self.H, self.K, self.K) or state.conv.shape != (3, self.W - 1, HK)
+                or state.base.dtype != np.float32 or state.conv.dtype != np.float32):
+            raise WasteError(f"KDA state does not fit this layer: recurrent {state.base.shape}, "
                              f"conv {state.conv.shape}; expected {(self.H, self.K, self.K)} and {(3, self.W - 1, HK)}")
 
     def prefill(self, x: np.ndarray, state: KDAState) -> np.ndarray:
@@ -178,7 +201,8 @@ class KDALayer:
             f, gate = self.f_a.matvec(x), self.gate[0].matvec(x)
         g = self._decay(self.f_b.matvec(f)[None, :])[0]
         beta = _sigmoid(self.b_proj.matvec(x))
-        o = kda_decode_step(q, k, v, g, beta, state.recurrent)
+        o = kda_decode_step_deferred(q, k, v, g, beta, state.base, state.pending_k, state.pending_d)
+        state.has_pending = True
         o = gated_rmsnorm(o, gate, self.o_norm, self.eps)
         return self.o_proj.matvec(o.reshape(H * K)), g, beta
 

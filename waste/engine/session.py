@@ -51,7 +51,7 @@ class Session:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of the attention-side state, by kind, as the planner itemises them."""
         return {
-            "kda_state": sum(s.recurrent.nbytes for s in self.kda.values()),
+            "kda_state": sum(s.base.nbytes for s in self.kda.values()),
             "conv_rings": sum(s.conv.nbytes for s in self.kda.values()),
             "mla_latent": sum(c.nbytes for c in self.mla.values()),
         }
