@@ -80,7 +80,7 @@ def run_round(model: Model, prompt: np.ndarray, new: int, chunk: int) -> dict[st
     session = model.new_session(len(prompt) + new)
     model.times = LayerTimes()
     t0 = time.perf_counter()
-    logits = model.prefill(session, prompt, chunk=chunk)
+    logits = model.prefill(session, prompt, chunk=chunk, all_logits=False)
     prefill_s = time.perf_counter() - t0
     prefill_kinds = dict(model.times.seconds)
     model.times = LayerTimes()

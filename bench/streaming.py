@@ -46,7 +46,7 @@ def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argpar
         model = Model(container, store=store)
         session = model.new_session(len(prompt) + args.new)
         t0 = time.perf_counter()
-        logits = model.prefill(session, prompt, chunk=args.prefill_chunk)
+        logits = model.prefill(session, prompt, chunk=args.prefill_chunk, all_logits=False)
         prefill_s = time.perf_counter() - t0
         prefill = store.stats.total
         store.stats.reset()

@@ -55,9 +55,9 @@ def cmd_demo(args: Any) -> int:
     model = Model(container)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, container.config.vocab_size, 40)]
     # A short throwaway run first, so the timed one measures the kernels and not their compilation.
-    generate(model, model.new_session(), prompt[:4], 2, Sampler())
+    generate(model, model.new_session(), prompt[:4], 2, Sampler(), all_prompt_logits=False)
     session = model.new_session(capacity=len(prompt) + 16)
-    run = generate(model, session, prompt, 16, Sampler())
+    run = generate(model, session, prompt, 16, Sampler(), all_prompt_logits=False)
     print("prompt:   ", ",".join(map(str, prompt)))
     print("generated:", ",".join(map(str, run.generated)))
     print(f"prefill {run.prefill_tps:.0f} tok/s, decode {run.decode_tps:.0f} tok/s")

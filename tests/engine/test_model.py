@@ -136,3 +136,24 @@ def test_reference_router_forced_ids_keep_its_own_weights():
     np.testing.assert_array_equal(forced_ids, other)
     s = 1 / (1 + np.exp(-logits[0, other[0]]))
     np.testing.assert_allclose(forced_weights[0], 2.0 * s / s.sum())
+
+
+def test_prefill_last_logits_only(containers):
+    """all_logits=False computes the last position's row only: the same bits as with every row,
+    the same session afterwards, for chunkings that do and do not divide the prompt."""
+    with open_container(containers["kimi-linear"]) as c:
+        model = Model(c)
+        prompt = _prompt(18, c.config.vocab_size, seed=4)
+        for chunk in (1, 6, 7, 18, 32):
+            full_session, last_session = model.new_session(), model.new_session()
+            full = model.prefill(full_session, prompt, chunk=chunk)
+            last = model.prefill(last_session, prompt, chunk=chunk, all_logits=False)
+            assert full.shape == (18, c.config.vocab_size) and last.shape == (1, c.config.vocab_size)
+            assert np.isfinite(full).all()
+            np.testing.assert_array_equal(last[0], full[-1])
+            np.testing.assert_array_equal(last_session.last_logits, full_session.last_logits)
+            np.testing.assert_array_equal(model.decode(last_session, 3), model.decode(full_session, 3))
+        runs = [generate(model, model.new_session(), prompt, 3, Sampler(), all_prompt_logits=flag)
+                for flag in (True, False)]
+    assert runs[0].generated == runs[1].generated
+    assert runs[0].all_logits().shape[0] == 18 + 3 and runs[1].all_logits().shape[0] == 1 + 3

@@ -184,7 +184,7 @@ class Stepper:
             raise WasteError("the prompt is empty: give at least one token id")
         self.model = model
         self.session = model.new_session(capacity=len(prompt) + 64)
-        model.prefill(self.session, prompt, chunk=chunk)
+        model.prefill(self.session, prompt, chunk=chunk, all_logits=False)
         self.records: list[TokenRecord] = []
 
     def step(self, token: int | None = None) -> TokenRecord:

@@ -81,7 +81,8 @@ def cmd_run(args: Any) -> int:
         raise WasteError(f"context of {needed} tokens (session {session.position} + prompt {len(prompt)} + "
                          f"--max-new {args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
     recorder = TraceRecorder(cfg.num_layers, cfg.moe_layers, cfg.num_experts_per_token) if args.trace_out else None
-    run = generate(model, session, prompt, args.max_new, sampler, chunk=args.prefill_chunk, observer=recorder)
+    run = generate(model, session, prompt, args.max_new, sampler, chunk=args.prefill_chunk, observer=recorder,
+                   all_prompt_logits=bool(args.logits_out))
     print("generated:", ",".join(str(t) for t in run.generated))
     print(f"prefill: {run.prompt_len} tokens in {run.prefill_seconds:.3f} s ({run.prefill_tps:.1f} tok/s); "
           f"decode: {len(run.generated)} tokens in {run.decode_seconds:.3f} s ({run.decode_tps:.1f} tok/s)")

@@ -172,15 +172,22 @@ class Model:
         return logits
 
     def prefill(self, session: Session, ids: Sequence[int], *, chunk: int = DEFAULT_PREFILL_CHUNK,
-                observer: Observer | None = None) -> np.ndarray:
-        """Consume prompt tokens in chunks; returns float32 logits [T, vocab] for every position."""
+                observer: Observer | None = None, all_logits: bool = True) -> np.ndarray:
+        """Consume prompt tokens in chunks; returns float32 logits [T, vocab] for every position,
+        or [1, vocab] for the last one only when `all_logits` is False.
+
+        Only the last position's logits are needed to continue, and at a real vocabulary
+        (163840 x 2304) the lm_head over every prompt position costs more than a layer. The last
+        position is always computed on its own (a matvec), so the session's next token does not
+        depend on whether the other rows were asked for.
+        """
         if chunk < 1:
             raise WasteError(f"--prefill-chunk {chunk}: must be at least 1")
         a = self._check_ids(ids, session)
         if a.size == 0:
             raise WasteError("the prompt is empty: give at least one token id")
         session.ensure_capacity(session.position + a.size)
-        out = np.empty((a.size, self.config.vocab_size), np.float32)
+        out = np.empty((a.size if all_logits else 1, self.config.vocab_size), np.float32)
         for start in range(0, a.size, chunk):
             part = a[start:start + chunk]
             positions = np.arange(session.position, session.position + part.size)
@@ -188,7 +195,13 @@ class Model:
             h = self.embed.take_rows(part)
             self.times.add("embed", t0)
             h = self._layers(h, positions, session, "prefill", observer)
-            out[start:start + part.size] = self._logits(h)
+            last_chunk = start + chunk >= a.size
+            if all_logits and h.shape[0] > 1 and last_chunk:
+                out[start:a.size - 1] = self._logits(h[:-1])
+            elif all_logits and not last_chunk:
+                out[start:start + part.size] = self._logits(h)
+            if last_chunk:
+                out[-1] = self._logits(h[-1:])[0]
             session.tokens.extend(int(t) for t in part)
         session.last_logits = out[-1].copy()
         return out

@@ -19,7 +19,8 @@ class RunResult:
 
     prompt_len: int
     generated: list[int]
-    logits: list[np.ndarray] = field(repr=False)  # prompt rows [T, vocab], then one [vocab] per token
+    # prompt rows [T, vocab] (or only the last, [1, vocab]), then one [vocab] per generated token
+    logits: list[np.ndarray] = field(repr=False)
     prefill_seconds: float
     decode_seconds: float
 
@@ -33,7 +34,8 @@ class RunResult:
         return n / self.decode_seconds if self.decode_seconds > 0 and n else float("nan")
 
     def all_logits(self) -> np.ndarray:
-        """float32 [prompt_len + len(generated), vocab]: prompt positions, then each generated token."""
+        """float32 [prompt rows + len(generated), vocab]: the prompt's logits rows (every position,
+        or the last only), then each generated token's."""
         rows = [np.atleast_2d(x) for x in self.logits]
         return np.concatenate(rows, axis=0) if rows else np.zeros((0, 0), np.float32)
 
@@ -47,6 +49,7 @@ def generate(
     *,
     chunk: int = DEFAULT_PREFILL_CHUNK,
     observer: Observer | None = None,
+    all_prompt_logits: bool = True,
 ) -> RunResult:
     """Prefill `prompt` (may be empty when resuming) then sample `max_new` tokens.
 
@@ -54,12 +57,13 @@ def generate(
     generated token is then fed back with a decode step. The session keeps the logits of
     its last position, so a resumed run continues exactly where the saved one stopped.
     Generated tokens are decoded (fed back) before returning, so the session always ends
-    with every token it returned consumed.
+    with every token it returned consumed. Without `all_prompt_logits` only the last prompt
+    position's logits are computed and kept.
     """
     logits: list[np.ndarray] = []
     t0 = time.perf_counter()
     if len(prompt):
-        logits.append(model.prefill(session, prompt, chunk=chunk, observer=observer))
+        logits.append(model.prefill(session, prompt, chunk=chunk, observer=observer, all_logits=all_prompt_logits))
     t1 = time.perf_counter()
     generated: list[int] = []
     for _ in range(max_new):
