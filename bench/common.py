@@ -94,11 +94,12 @@ def sequential_read(path: Path, *, direct: bool = False, block: int = 8 << 20) -
             "io_mode": "direct" if direct else "buffered", "cache_dropped": dropped}
 
 
-def drop_page_cache(path: Path) -> str:
+def drop_page_cache(path: Path, *, whole_machine: bool = False) -> str:
     """Evict `path` from the page cache as far as this process may; says what was done.
 
-    posix_fadvise(DONTNEED) drops the file's clean pages for any user; writing 3 to
-    /proc/sys/vm/drop_caches (root only, and not inside most containers) drops everything.
+    posix_fadvise(DONTNEED) drops the file's clean pages for any user. Only when asked
+    (`whole_machine`), and only as root, 3 goes to /proc/sys/vm/drop_caches, which drops every
+    file's pages on the machine: other jobs' included, so never by default.
     """
     done = []
     try:
@@ -111,12 +112,13 @@ def drop_page_cache(path: Path) -> str:
             os.close(fd)
     except (OSError, AttributeError):
         pass
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        done.append("drop_caches")
-    except OSError:
-        pass
+    if whole_machine:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            done.append("drop_caches")
+        except OSError:
+            pass
     return "+".join(done) or "none"
 
 

@@ -5,8 +5,8 @@ achieved read bandwidth next to a plain sequential read of experts.bin in the sa
 Experts come from `StreamingExpertStore` (positional reads into an LRU cache with a byte
 budget), opened with O_DIRECT so the page cache cannot serve them; when the file system
 refuses O_DIRECT the store reads buffered and the table says so (`io`). Before every budget
-the page cache of experts.bin is dropped (posix_fadvise DONTNEED, and
-/proc/sys/vm/drop_caches when writable). Per budget: a fresh store and session, a prompt of
+the page cache of experts.bin is dropped (posix_fadvise DONTNEED; with --drop-all-caches, as
+root, also /proc/sys/vm/drop_caches, which empties the whole machine's page cache). Per budget: a fresh store and session, a prompt of
 `--prompt-len` tokens (which fills the cache), then `--new` greedy decode steps; the store's
 counters are reset between the two, so the decode columns count decode alone.
 
@@ -17,6 +17,7 @@ before and after the budgets (the better is kept). Prints a table, writes
 bench/results/streaming.json. Asserts nothing.
 
     python bench/streaming.py [--budgets 0 10 25 50 100] [--prompt-len 64] [--new 64] [--quick]
+                              [--drop-all-caches]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argpar
     """One cache budget: drop the page cache, prefill `prompt` through a fresh store, decode `args.new` tokens."""
     expert_bytes = container.byte_counts()["expert_bytes"]
     budget = int(fraction * expert_bytes)
-    dropped = common.drop_page_cache(container.experts_path)
+    dropped = common.drop_page_cache(container.experts_path, whole_machine=args.drop_all_caches)
     with StreamingExpertStore(container, budget, args.policy, args.read_threads, direct_io=not args.buffered) as store:
         model = Model(container, store=store)
         session = model.new_session(len(prompt) + args.new)
@@ -80,6 +81,9 @@ def main() -> int:
     parser.add_argument("--policy", choices=POLICIES, default="lru")
     parser.add_argument("--read-threads", type=int, default=4)
     parser.add_argument("--buffered", action="store_true", help="read without O_DIRECT")
+    parser.add_argument("--drop-all-caches", action="store_true",
+                        help="as root, also drop the whole machine's page cache before each budget "
+                             "(by default only experts.bin is evicted, with posix_fadvise)")
     parser.add_argument("--quick", action="store_true", help="budgets 0 and 100 only, 16 decoded tokens")
     parser.add_argument("--cache-dir", type=Path, default=common.CACHE_DIR)
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "streaming.json")
