@@ -267,14 +267,20 @@ def _norm_token(q, k, scale, l2norm_qk, qs, kn):
 
 
 @kernel
-def _decode_coefficients(q, k, g, h, scale, l2norm_qk, qs, kn, a, ak, aq):
-    """Head h of one token: qs, kn (normalised), a = exp(g), ak = a kn, aq = a qs; returns qs . kn."""
+def _decode_coefficients(q, k, g, h, scale, l2norm_qk):
+    """Head h of one token: (a = exp(g), kn, a kn, a qs, qs . kn) with qs, kn the normalised q, k."""
+    K = q.shape[1]
+    qs = np.empty(K, np.float32)
+    kn = np.empty(K, np.float32)
+    a = np.empty(K, np.float32)
+    ak = np.empty(K, np.float32)
+    aq = np.empty(K, np.float32)
     qk = _norm_token(q[h], k[h], scale, l2norm_qk, qs, kn)
-    for i in range(q.shape[1]):
+    for i in range(K):
         a[i] = fexp(g[h, i])
         ak[i] = a[i] * kn[i]
         aq[i] = a[i] * qs[i]
-    return qk
+    return a, kn, ak, aq, qk
 
 
 @parallel_kernel
@@ -282,14 +288,9 @@ def _decode_kernel(q, k, v, g, beta, scale, l2norm_qk, state, o):
     H, K = q.shape
     V = v.shape[1]
     for h in prange(H):
-        qs = np.empty(K, np.float32)
-        kn = np.empty(K, np.float32)
-        a = np.empty(K, np.float32)
-        ak = np.empty(K, np.float32)
-        aq = np.empty(K, np.float32)
         u = np.empty(V, np.float32)
         w = np.empty(V, np.float32)
-        qk = _decode_coefficients(q, k, g, h, scale, l2norm_qk, qs, kn, a, ak, aq)
+        a, kn, ak, aq, qk = _decode_coefficients(q, k, g, h, scale, l2norm_qk)
         b = beta[h]
         S = state[h]
         for j in range(V):
@@ -404,14 +405,9 @@ def _deferred_decode_kernel(q, k, v, g, beta, scale, l2norm_qk, base, pending_k,
     H, K = q.shape
     V = v.shape[1]
     for h in prange(H):
-        qs = np.empty(K, np.float32)
-        kn = np.empty(K, np.float32)
-        a = np.empty(K, np.float32)
-        ak = np.empty(K, np.float32)
-        aq = np.empty(K, np.float32)
         u = np.zeros(V, np.float32)
         w = np.zeros(V, np.float32)
-        qk = _decode_coefficients(q, k, g, h, scale, l2norm_qk, qs, kn, a, ak, aq)
+        a, kn, ak, aq, qk = _decode_coefficients(q, k, g, h, scale, l2norm_qk)
         P = base[h]
         pk = pending_k[h]
         pd = pending_d[h]
