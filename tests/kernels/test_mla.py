@@ -57,7 +57,7 @@ def test_decode_matches_non_absorbed(n: int) -> None:
     np.testing.assert_allclose(p.sum(axis=1), 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("start", "T"), [(0, 1), (0, 9), (5, 4), (40, 7)])
+@pytest.mark.parametrize(("start", "T"), [(0, 1), (0, 9), (5, 4), (40, 7), (37, 150)])  # 150: three query tiles
 def test_prefill_matches_non_absorbed(start: int, T: int) -> None:
     rng = np.random.default_rng(100 + start + T)
     # Rows past start + T stay NaN: a read beyond the causal horizon would poison the output.

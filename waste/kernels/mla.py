@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import num_threads, parallel_kernel, prange
+from waste.jit import kernel, num_threads, parallel_kernel, prange
 
 # Cached rows per block in the decode kernel (16 rows x 576 values = 36 KiB); measured best of
 # 1..64 at H=32, 4096 tokens on the 2-core dev machine.
@@ -68,45 +68,89 @@ def _decode(q, latent, n, scale, kv_rank, nchunks, block, probs, out):
             out[h, r] = acc
 
 
+# Queries per tile in the prefill kernel: the tile's outputs (64 x R floats, 128 KiB at R = 512)
+# and queries stay in L2 while every visible key is visited once for the whole tile.
+PREFILL_QUERY_TILE = 64
+
+
 @parallel_kernel
 def _prefill(q, latent, start, scale, kv_rank, out):
     T, H, D = q.shape
-    n = start + T
     for h in prange(H):
-        qh = np.empty((T, D), np.float32)
-        for t in range(T):
+        for t0 in range(0, T, PREFILL_QUERY_TILE):
+            _prefill_tile(q, latent, start, scale, kv_rank, out, h, t0, min(T, t0 + PREFILL_QUERY_TILE))
+
+
+@kernel
+def _prefill_tile(q, latent, start, scale, kv_rank, out, h, t0, t1):
+    """Queries t0..t1-1 of head h: scores, causal softmax, probability-weighted latents.
+
+    Queries go four at a time through each key's dot products, and keys four at a time through
+    each query's output row, so one load of a latent row serves four multiply-adds. A four-query
+    group may score a key its first members cannot see yet; those scores are never read, and
+    the probabilities past each query's horizon are zeroed before the output sum.
+    """
+    D = q.shape[2]
+    nq = t1 - t0
+    nq4 = (nq + 3) // 4 * 4
+    n = start + t1  # keys visible to the tile's last query
+    qt = np.zeros((nq4, D), np.float32)  # zero rows pad the last group of four
+    for tt in range(nq):
+        for d in range(D):
+            qt[tt, d] = q[t0 + tt, h, d]
+    s = np.empty((nq4, n), np.float32)
+    for j in range(n):
+        lj = latent[j]
+        first = max(0, j - start - t0)  # first query of the tile that sees key j
+        for g in range(first - first % 4, nq4, 4):
+            q0, q1, q2, q3 = qt[g], qt[g + 1], qt[g + 2], qt[g + 3]
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
             for d in range(D):
-                qh[t, d] = q[t, h, d]
-        s = np.empty((T, n), np.float32)
-        # Key-major: cached row j stays in L1 while every query that may see it is scored.
-        for j in range(n):
-            for t in range(max(0, j - start), T):
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += qh[t, d] * latent[j, d]
-                s[t, j] = acc * scale
-        for t in range(T):
-            last = start + t + 1
-            m = -np.inf
-            for j in range(last):
-                m = max(m, s[t, j])
-            total = 0.0
-            for j in range(last):
-                e = np.exp(s[t, j] - m)
-                s[t, j] = e
-                total += e
-            inv = 1.0 / total
-            for j in range(last):
-                s[t, j] *= inv
-        acc_o = np.zeros((T, kv_rank), np.float32)
-        for j in range(n):
-            for t in range(max(0, j - start), T):
-                p = s[t, j]
-                for r in range(kv_rank):
-                    acc_o[t, r] += p * latent[j, r]
-        for t in range(T):
+                x = lj[d]
+                a0 += q0[d] * x
+                a1 += q1[d] * x
+                a2 += q2[d] * x
+                a3 += q3[d] * x
+            s[g, j] = a0 * scale
+            s[g + 1, j] = a1 * scale
+            s[g + 2, j] = a2 * scale
+            s[g + 3, j] = a3 * scale
+    for tt in range(nq):
+        last = start + t0 + tt + 1
+        m = -np.inf
+        for j in range(last):
+            m = max(m, s[tt, j])
+        total = 0.0
+        for j in range(last):
+            e = np.exp(s[tt, j] - m)
+            s[tt, j] = e
+            total += e
+        inv = 1.0 / total
+        for j in range(last):
+            s[tt, j] *= inv
+        for j in range(last, n):
+            s[tt, j] = 0.0
+    acc = np.zeros((nq, kv_rank), np.float32)
+    for j in range(0, n - 3, 4):
+        L0, L1, L2, L3 = latent[j], latent[j + 1], latent[j + 2], latent[j + 3]
+        for tt in range(max(0, j - start - t0), nq):
+            p0, p1, p2, p3 = s[tt, j], s[tt, j + 1], s[tt, j + 2], s[tt, j + 3]
+            at = acc[tt]
             for r in range(kv_rank):
-                out[t, h, r] = acc_o[t, r]
+                at[r] += (p0 * L0[r] + p1 * L1[r]) + (p2 * L2[r] + p3 * L3[r])
+    for j in range(n - n % 4, n):
+        Lj = latent[j]
+        for tt in range(max(0, j - start - t0), nq):
+            p = s[tt, j]
+            at = acc[tt]
+            for r in range(kv_rank):
+                at[r] += p * Lj[r]
+    for tt in range(nq):
+        for r in range(kv_rank):
+            out[t0 + tt, h, r] = acc[tt, r]
 
 
 def _check_latent(latent: np.ndarray, q_width: int, kv_rank: int) -> None:
