@@ -6,9 +6,10 @@ Experts come from `StreamingExpertStore` (positional reads into an LRU cache wit
 budget), opened with O_DIRECT so the page cache cannot serve them; when the file system
 refuses O_DIRECT the store reads buffered and the table says so (`io`). Before every budget
 the page cache of experts.bin is dropped (posix_fadvise DONTNEED; with --drop-all-caches, as
-root, also /proc/sys/vm/drop_caches, which empties the whole machine's page cache). Per budget: a fresh store and session, a prompt of
-`--prompt-len` tokens (which fills the cache), then `--new` greedy decode steps; the store's
-counters are reset between the two, so the decode columns count decode alone.
+root, also /proc/sys/vm/drop_caches, which empties the whole machine's page cache). Per
+budget: a fresh store and session, a prompt of `--prompt-len` tokens (which fills the cache),
+then `--new` greedy decode steps; the store's counters are reset between the two, so the
+decode columns count decode alone.
 
 `read GB/s` is the store's bytes over its wall time inside reads (the pool's reads overlap, so
 this is what the reads achieved together); `read %` is that time's share of the decode time.
