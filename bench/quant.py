@@ -3,10 +3,14 @@
 For each shape and format (f32, bf16, q8g, q4g): `matvec` (one token, decode) and `matmul`
 at 32 tokens (prefill chunk), the weight bytes streamed per call over the time, and the speed
 ratio against NumPy's float32 product on the same shape in the same run (> 1 is faster).
-Timings are the best of many short interleaved bursts (the machine is shared). Prints a table and writes
-bench/results/quant.json. Asserts nothing.
+Timings are the best of many short interleaved bursts (the machine is shared). Then the
+weight quantiser (`quantize`, q8g and q4g) in ns per weight on one float32 matrix: the Numba
+kernels on all threads and on one, against the float64 NumPy oracle `reference_quantize` in the
+same run, and whether their bytes agree. Prints tables and writes bench/results/quant.json
+(with --quantize-only only the quantiser section, to bench/results/quant_quantize.json).
+Asserts nothing.
 
-    python bench/quant.py [--quick] [--rounds 30] [--out bench/results/quant.json]
+    python bench/quant.py [--quick] [--rounds 30] [--quantize-only] [--out PATH]
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import numba
 import numpy as np
 from common import machine_info, write_json
 
+from waste.jit import num_threads
 from waste.kernels import quant as qk
+from waste.reference.quant import reference_quantize
 
 SHAPES = [  # (name, N, K)
     ("kda_qkv", 4096, 2304),
@@ -33,6 +39,7 @@ SHAPES = [  # (name, N, K)
     ("lm_head", 163840, 2304),
 ]
 TOKENS = 32
+QUANTIZE_SHAPE = ("kda_qkv", 4096, 2304)  # the matrix the quantiser is timed on
 # Issue #4 targets: (format, op, shapes, minimum ratio to NumPy float32).
 TARGETS = [
     ("q4g", "matvec", ("kda_qkv", "lm_head"), 4.0),
@@ -139,6 +146,51 @@ def measure_shape(name: str, n: int, k: int, rng: np.random.Generator, rounds: i
     return row
 
 
+def best_seconds(fn: Callable[[], object], rounds: int, settle_s: float = 0.0) -> float:
+    """Best wall time of `rounds` calls of fn, back to back unless settle_s > 0 (see best_times: after
+    a pause the quantiser measured 1.3-1.5 ns/weight instead of 0.8-0.9, docs/QUANT.md)."""
+    best = float("inf")
+    for _ in range(rounds):
+        time.sleep(settle_s)
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_quantize(rounds: int, reference_rounds: int) -> dict[str, object]:
+    """ns per weight of quantize (all threads and one thread) and of reference_quantize, per q format."""
+    name, n, k = QUANTIZE_SHAPE
+    w = np.random.default_rng(1).standard_normal((n, k), dtype=np.float32)
+    threads = num_threads()
+    out: dict[str, object] = {"name": name, "N": n, "K": k, "dtype": "float32", "threads": threads, "formats": {}}
+    for fmt in ("q8g", "q4g"):
+        fast = qk.quantize(w, fmt)  # compiles (or loads from the cache) first
+        want = reference_quantize(w, fmt)
+        identical = all(np.array_equal(fast.buffers[b].view(np.uint8), want[b].view(np.uint8)) for b in want)
+        fast_s = best_seconds(lambda fmt=fmt: qk.quantize(w, fmt), rounds)
+        numba.set_num_threads(1)
+        try:
+            one_s = best_seconds(lambda fmt=fmt: qk.quantize(w, fmt), rounds)
+        finally:
+            numba.set_num_threads(threads)
+        ref_s = best_seconds(lambda fmt=fmt: reference_quantize(w, fmt), reference_rounds)
+        out["formats"][fmt] = {"fast_ns_per_weight": fast_s / w.size * 1e9,
+                               "fast_1thread_ns_per_weight": one_s / w.size * 1e9,
+                               "reference_ns_per_weight": ref_s / w.size * 1e9,
+                               "speedup_vs_reference": ref_s / fast_s, "identical_bytes": identical}
+    return out
+
+
+def print_quantize(q: dict) -> None:
+    print(f"quantise {q['name']} {q['N']}x{q['K']} {q['dtype']} (ns per weight; best of the rounds)")
+    print(f"{'fmt':<5} | {'fast ' + str(q['threads']) + ' thr':>10} {'fast 1 thr':>10} | {'reference':>9} | "
+          f"{'x ref':>6} | identical")
+    for fmt, r in q["formats"].items():
+        print(f"{fmt:<5} | {r['fast_ns_per_weight']:>10.2f} {r['fast_1thread_ns_per_weight']:>10.2f} | "
+              f"{r['reference_ns_per_weight']:>9.2f} | {r['speedup_vs_reference']:>6.1f} | {r['identical_bytes']}")
+
+
 def run(shapes: list[tuple[str, int, int]], rounds: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     results = []
@@ -182,23 +234,42 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the lm_head shape")
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quant.json")
+    parser.add_argument("--quantize-only", action="store_true",
+                        help="time only the weight quantiser (about a minute; default --out quant_quantize.json)")
+    parser.add_argument("--quantize-rounds", type=int, default=10, help="rounds per quantiser timing")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON results (default bench/results/quant.json or, with --quantize-only, "
+                             "bench/results/quant_quantize.json)")
     args = parser.parse_args()
+    results_dir = Path(__file__).parent / "results"
+    out = args.out or results_dir / ("quant_quantize.json" if args.quantize_only else "quant.json")
     shapes = [s for s in SHAPES if not (args.quick and s[0] == "lm_head")]
     info = quant_machine_info()
     print(f"{info['cpu']}, {info['cores']} cores, Numba {info['numba']} ({info['numba_threads']} threads), "
           f"NumPy {info['numpy']}, VNNI kernels: {info['vnni_kernels']}")
+    print(f"load average at start: {os.getloadavg()}")
+    reference_rounds = max(1, args.quantize_rounds // 3)
+    if args.quantize_only:
+        quantize = measure_quantize(args.quantize_rounds, reference_rounds)
+        print_quantize(quantize)
+        report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": quant_machine_info(),
+                  "load_average_at_end": os.getloadavg(), "quantize": quantize}
+        print(f"load average at end: {report['load_average_at_end']}")
+        write_json(out, report)
+        return 0
     blas = blas_info()
     print(f"NumPy BLAS: {blas.get('name')} {blas.get('version')}, kernel {blas.get('openblas_core')}, "
           f"threads {blas.get('openblas_threads')}, env {blas['env']}")
-    print(f"load average at start: {os.getloadavg()}")
     print_header()
     report = run(shapes, args.rounds)
-    print(f"load average at end: {report['load_average_at_end']}")
     for t in report["targets"]:
         print(f"target {t['format']} {t['op']} on {t['shape']}: {t['ratio']:.2f}x NumPy (>= {t['target']}): "
               f"{'met' if t['met'] else 'MISSED'}")
-    write_json(args.out, report)
+    report["quantize"] = measure_quantize(args.quantize_rounds, reference_rounds)
+    print_quantize(report["quantize"])
+    report["load_average_at_end"] = os.getloadavg()
+    print(f"load average at end: {report['load_average_at_end']}")
+    write_json(out, report)
     return 0
 
 

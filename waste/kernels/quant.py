@@ -17,6 +17,9 @@ codes for each of the 16 rows: the layout of AVX-512 VNNI's `vpdpbusd` (64 unsig
 times 4 broadcast signed bytes, summed into 16 int32 lanes). A per-matrix power of two
 (`tscale`) keeps every float16 group scale in the normal range whatever the weights' size.
 
+`quantize` converts in two streaming Numba passes (the largest |w|, then codes and scales) that
+give byte for byte the buffers of the float64 NumPy oracle `reference_quantize`.
+
 Products quantise the activations once per call to int8 per group of 32 with a float32
 scale, sum integer products per group in int32 (exact), then scale in float32.
 
@@ -53,7 +56,6 @@ SCALE_EXPONENT = 14
 # (codes in DRAM) it helped q4g by 10-40% and was neutral in L3 (docs/QUANT.md).
 PREFETCH_BYTES = 2048
 BF16_BLOCK_ROWS = 256  # rows of a bf16 matrix widened to float32 at once for a BLAS matmul (in L2)
-QUANTIZE_BLOCKS = 256  # row blocks quantised at once (bounds the float64 temporaries)
 
 
 @dataclass(frozen=True)
@@ -209,57 +211,10 @@ def quantize(w: np.ndarray, fmt: str) -> QMatrix:
         return QMatrix(fmt, shape, {"w": bits})
     if fmt not in ("q8g", "q4g"):
         raise WasteError(f"unknown weight format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    buffers = {name: np.zeros(bshape, dt) for name, dt, bshape in buffer_layout(fmt, shape)}
-    wmax = 0.0
-    for r0 in range(0, shape[0], QUANTIZE_BLOCKS * ROWS):
-        part = w[r0:r0 + QUANTIZE_BLOCKS * ROWS]
-        if not np.isfinite(part).all():
-            raise WasteError(f"cannot quantise a {shape} matrix to {fmt}: it holds NaN or infinite weights")
-        wmax = max(wmax, float(np.abs(part).max(initial=0.0)))
-    tscale = _tensor_scale(wmax / QMAX[fmt])
-    buffers["tscale"][0] = tscale
-    for b0 in range(0, buffers["qs"].shape[0], QUANTIZE_BLOCKS):
-        b1 = min(buffers["qs"].shape[0], b0 + QUANTIZE_BLOCKS)
-        qs, scales = _quantize_blocks(w[b0 * ROWS:b1 * ROWS], b1 - b0, shape[1], fmt, tscale)
-        buffers["qs"][b0:b1] = qs
-        buffers["scales"][b0:b1] = scales
-    return QMatrix(fmt, shape, buffers)
+    # (imported here: the quantiser module builds on this one's layout and constants)
+    from waste.kernels.quantize import quantize_grouped
 
-
-def _tensor_scale(dmax: float) -> float:
-    """The power of two that puts the largest group scale in [2**14, 2**15)."""
-    if dmax == 0.0:
-        return 1.0
-    exponent = math.frexp(dmax)[1] - 1 - SCALE_EXPONENT
-    return math.ldexp(1.0, min(127, max(-126, exponent)))
-
-
-def _quantize_blocks(w: np.ndarray, nb: int, k: int, fmt: str, tscale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Codes [nb, G, bytes] and float16 scales [nb, G, 16] of up to nb*16 rows of w."""
-    g = -(-k // GROUP)
-    wg = np.zeros((nb * ROWS, g * GROUP), np.float64)
-    wg[: w.shape[0], :k] = w
-    wg = wg.reshape(nb * ROWS, g, GROUP)
-    if fmt == "q8g":
-        # Symmetric: the largest |w| of the group maps to +-127.
-        extreme = np.abs(wg).max(axis=-1)
-    else:
-        # ggml's Q4_0: the signed weight of largest magnitude maps to code 0 (value -8), so all
-        # 16 levels are used; a weight of the opposite sign and equal size clips to +7.
-        extreme = -np.take_along_axis(wg, np.abs(wg).argmax(axis=-1)[..., None], axis=-1)[..., 0]
-    s16 = (extreme / QMAX[fmt] / tscale).astype(np.float16)
-    # Codes are chosen against the scale actually stored, so dequantised values are exact
-    # multiples of it and quantising them again gives the same values.
-    d = s16.astype(np.float64) * tscale
-    ratio = np.divide(wg, d[..., None], out=np.zeros_like(wg), where=d[..., None] != 0)
-    if fmt == "q8g":
-        codes = np.clip(np.rint(ratio), -127, 127).astype(np.int8)
-        qs = codes.reshape(nb, ROWS, g, GROUP // 4, 4).transpose(0, 2, 3, 1, 4)
-    else:
-        codes = np.clip(np.rint(ratio) + CODE_OFFSET["q4g"], 0, 15).astype(np.uint8)
-        packed = codes[..., : GROUP // 2] | (codes[..., GROUP // 2:] << 4)
-        qs = packed.reshape(nb, ROWS, g, GROUP // 8, 4).transpose(0, 2, 3, 1, 4)
-    return qs.reshape(nb, g, BLOCK_BYTES[fmt]), s16.reshape(nb, ROWS, g).transpose(0, 2, 1)
+    return QMatrix(fmt, shape, quantize_grouped(w, fmt))
 
 
 def from_buffers(fmt: str, shape: tuple[int, int], buffers: dict[str, np.ndarray]) -> QMatrix:

@@ -9,14 +9,25 @@ element index arithmetic rather than the fast code's reshapes, and never call th
   round half to even), reproduced here with NumPy float32 scalars so they match exactly.
 - `reference_matmul(qm, X)` / `reference_matvec(qm, x)`: the product in float64 from those
   integers (q formats) or from the float32/bfloat16 weights (unquantised formats).
+- `reference_quantize(w, fmt)`: the q8g/q4g buffers (qs, scales, tscale) of a weight matrix in
+  NumPy float64 whole-array operations (the first implementation, kept as the oracle; it lays the
+  bytes out by reshapes, which `reference_dequantize`'s formulas check). The Numba quantiser
+  must match it byte for byte.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 GROUP = 32
 ROWS = 16
+QMAX = {"q8g": 127, "q4g": 8}  # |code - offset| of the group's extreme weight
+Q4_OFFSET = 8  # a q4g nibble stores the signed value + 8 (q8g stores the int8 value)
+BLOCK_BYTES = {"q8g": GROUP * ROWS, "q4g": GROUP * ROWS // 2}  # one group of one 16-row block
+SCALE_EXPONENT = 14  # the largest group scale / tscale lies in [2**14, 2**15)
+BLOCK_ROWS = 4096  # rows quantised at once, bounding the float64 temporaries
 
 
 def _codes_and_scales(qm) -> tuple[np.ndarray, np.ndarray]:
@@ -95,3 +106,64 @@ def reference_matmul(qm, X: np.ndarray) -> np.ndarray:
 def reference_matvec(qm, x: np.ndarray) -> np.ndarray:
     """y [N] = W x in float64 (the one-token case of reference_matmul)."""
     return reference_matmul(qm, np.asarray(x)[None, :])[0]
+
+
+def reference_quantize(w: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
+    """The buffers of w [N, K] in q8g or q4g: qs [NB, G, bytes], scales [NB, G, 16] float16 and
+    tscale [1] float32 (docs/QUANT.md, "Values" and "Byte layout"). Weights are read as float64."""
+    w = np.asarray(w)
+    if w.ndim != 2 or fmt not in QMAX:
+        raise ValueError(f"need a 2-D weight and format q8g or q4g, got {w.shape} and {fmt!r}")
+    n, k = w.shape
+    nb, g = -(-n // ROWS), -(-k // GROUP)
+    wmax = 0.0
+    for r0 in range(0, n, BLOCK_ROWS):
+        part = np.asarray(w[r0:r0 + BLOCK_ROWS], np.float64)
+        if not np.isfinite(part).all():
+            raise ValueError("weights must be finite")
+        wmax = max(wmax, float(np.abs(part).max(initial=0.0)))
+    tscale = reference_tensor_scale(wmax / QMAX[fmt])
+    qs = np.empty((nb, g, BLOCK_BYTES[fmt]), np.int8 if fmt == "q8g" else np.uint8)
+    scales = np.empty((nb, g, ROWS), np.float16)
+    step = BLOCK_ROWS // ROWS
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
+        qs[b0:b1], scales[b0:b1] = reference_quantize_blocks(w[b0 * ROWS:b1 * ROWS], b1 - b0, k, fmt, tscale)
+    return {"qs": qs, "scales": scales, "tscale": np.array([tscale], np.float32)}
+
+
+def reference_tensor_scale(dmax: float) -> float:
+    """The power of two tscale that puts the largest group scale dmax / tscale in [2**14, 2**15)."""
+    if dmax == 0.0:
+        return 1.0
+    exponent = math.frexp(dmax)[1] - 1 - SCALE_EXPONENT
+    return math.ldexp(1.0, min(127, max(-126, exponent)))
+
+
+def reference_quantize_blocks(w: np.ndarray, nb: int, k: int, fmt: str, tscale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [nb, G, bytes] and float16 scales [nb, G, 16] of up to 16 nb rows of w [R, k]
+    (rows past R and inputs past k are zero)."""
+    g = -(-k // GROUP)
+    wg = np.zeros((nb * ROWS, g * GROUP), np.float64)
+    wg[: w.shape[0], :k] = w
+    wg = wg.reshape(nb * ROWS, g, GROUP)
+    if fmt == "q8g":
+        # Symmetric: the largest |w| of the group maps to +-127.
+        extreme = np.abs(wg).max(axis=-1)
+    else:
+        # ggml's Q4_0: the signed weight of largest magnitude (the first, on a tie) maps to code 0
+        # (value -8), so all 16 levels are used; a weight of the opposite sign and equal size clips to +7.
+        extreme = -np.take_along_axis(wg, np.abs(wg).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    s16 = (extreme / QMAX[fmt] / tscale).astype(np.float16)
+    # Codes are chosen against the scale actually stored, so dequantised values are exact
+    # multiples of it and quantising them again gives the same values.
+    d = s16.astype(np.float64) * tscale
+    ratio = np.divide(wg, d[..., None], out=np.zeros_like(wg), where=d[..., None] != 0)
+    if fmt == "q8g":
+        codes = np.clip(np.rint(ratio), -127, 127).astype(np.int8)
+        qs = codes.reshape(nb, ROWS, g, GROUP // 4, 4).transpose(0, 2, 3, 1, 4)
+    else:
+        codes = np.clip(np.rint(ratio) + Q4_OFFSET, 0, 15).astype(np.uint8)
+        packed = codes[..., : GROUP // 2] | (codes[..., GROUP // 2:] << 4)
+        qs = packed.reshape(nb, ROWS, g, GROUP // 8, 4).transpose(0, 2, 3, 1, 4)
+    return qs.reshape(nb, g, BLOCK_BYTES[fmt]), s16.reshape(nb, ROWS, g).transpose(0, 2, 1)
