@@ -56,20 +56,6 @@ def mini_container(quant: str, cache_dir: Path = CACHE_DIR, *, preset: str = "mi
     return out
 
 
-def copy_bandwidth(nbytes: int = 512 << 20, rounds: int = 5) -> dict[str, float]:
-    """The machine's memory copy bandwidth: best of `rounds` np.copyto of a float32 buffer of
-    `nbytes`, counting the bytes read plus the bytes written (2 * nbytes per copy)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the destination's pages in before timing
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return {"buffer_bytes": int(src.nbytes), "best_seconds": best, "gbps": 2 * src.nbytes / best / 1e9}
-
-
 def sequential_read(path: Path, *, direct: bool = False, block: int = 8 << 20) -> dict[str, Any]:
     """Read `path` start to end in `block`-byte reads, after dropping it from the page cache;
     with O_DIRECT when `direct` (into a page-aligned buffer). The baseline for the expert

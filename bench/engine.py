@@ -33,6 +33,7 @@ import common
 import numba
 import numpy as np
 
+from waste.analysis.budget import copy_bandwidth
 from waste.container import open_container
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, LayerTimes, Model
 
@@ -187,7 +188,7 @@ def main() -> int:
     info = common.machine_info()
     print(f"{info['cpu']}, {info['cores']} cores, Numba {info['numba']} ({info['numba_threads']} threads), "
           f"load average {info['load_average']}")
-    copy_start = common.copy_bandwidth()
+    copy_start = copy_bandwidth()
     print(f"copy bandwidth {copy_start['gbps']:.1f} GB/s (bytes read + written, "
           f"{copy_start['buffer_bytes'] >> 20} MiB buffer)")
     print(f"mini: prompt {args.prompt_len} tokens in chunks of {args.prefill_chunk}, {args.new} decoded, "
@@ -199,7 +200,7 @@ def main() -> int:
             r["fraction_of_copy_bandwidth"] = r["decode_weight_gbps"] / copy_start["gbps"]
             print_scheme(r)
             results.append(r)
-    copy_end = common.copy_bandwidth()
+    copy_end = copy_bandwidth()
     copy_gbps = max(copy_start["gbps"], copy_end["gbps"])
     for r in results:
         r["fraction_of_copy_bandwidth"] = r["decode_weight_gbps"] / copy_gbps

@@ -8,6 +8,7 @@ from waste.analysis.budget import (
     PLAN_PARTS,
     budget_summary,
     cache_fraction,
+    copy_bandwidth,
     crossover_context,
     decode_speed_bound,
     plan_breakdown,
@@ -61,15 +62,16 @@ def test_decode_bound_by_hand_on_tiny():
 
 def test_decode_bound_rises_with_hit_rate_and_is_memory_bound_at_full_hits():
     plan = make_plan("kimi-linear-48b-a3b", scheme="bf16")
-    bounds = [decode_speed_bound(plan, h, 7.0) for h in (0, 0.25, 0.5, 0.75, 0.99, 1)]
+    bounds = [decode_speed_bound(plan, h, 7.0, 60.0) for h in (0, 0.25, 0.5, 0.75, 0.99, 1)]
     speeds = [b.tokens_per_second for b in bounds]
     assert speeds == sorted(speeds) and len(set(b.memory_bytes for b in bounds)) == 1
-    assert decode_speed_bound(plan, 0.0, 7.0).limited_by == "nvme"
-    full = decode_speed_bound(plan, 1.0, 7.0)
+    assert decode_speed_bound(plan, 0.0, 7.0, 60.0).limited_by == "nvme"
+    full = decode_speed_bound(plan, 1.0, 7.0, 60.0)
     assert full.nvme_bytes == 0 and full.limited_by == "memory"
-    for bad in ({"hit_rate": 1.5, "nvme_gbps": 7}, {"hit_rate": 0.5, "nvme_gbps": 0}):
+    bads = ({"hit_rate": 1.5}, {"nvme_gbps": 0}, {"mem_gbps": -1})
+    for bad in bads:
         with pytest.raises(WasteError):
-            decode_speed_bound(plan, **bad)
+            decode_speed_bound(plan, **({"hit_rate": 0.5, "nvme_gbps": 7.0, "mem_gbps": 60.0} | bad))
 
 
 def test_state_curve_matches_the_planner_and_the_seed():
@@ -108,7 +110,14 @@ def test_target_config_reads_presets_and_config_files(tmp_path):
 
 def test_budget_summary_names_the_figures():
     plan = make_plan("tiny", scheme="f32", context=1024, ram=2 * MiB)
-    text = budget_summary(plan, decode_speed_bound(plan, 0.5, 7.0))
+    text = budget_summary(plan, decode_speed_bound(plan, 0.5, 7.0, 60.0))
     assert f"{plan.experts_fit:,d} of 32 experts fit" in text and "tok/s" in text
     short = make_plan("tiny", scheme="f32", ram="100K")
-    assert "does NOT fit" in budget_summary(short, decode_speed_bound(short, 0.5, 7.0))
+    assert "does NOT fit" in budget_summary(short, decode_speed_bound(short, 0.5, 7.0, 60.0))
+
+
+def test_copy_bandwidth_is_measured() -> None:
+    """The notebook's default RAM bandwidth is a measurement of this machine, not a constant."""
+    result = copy_bandwidth(4 << 20, rounds=2)
+    assert result["buffer_bytes"] == 4 << 20 and result["best_seconds"] > 0
+    assert result["gbps"] == pytest.approx(2 * result["buffer_bytes"] / result["best_seconds"] / 1e9)

@@ -19,6 +19,7 @@ decimal GB/s (1e9 bytes per second), as drive and memory vendors quote them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,8 +98,24 @@ class DecodeBound:
         return "nvme" if self.nvme_seconds >= self.memory_seconds else "memory"
 
 
-def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: float = 60.0) -> DecodeBound:
-    """Speed bound of one decoded token at an expert-cache hit rate in [0, 1]; bandwidths in GB/s."""
+def copy_bandwidth(nbytes: int = 512 << 20, rounds: int = 5) -> dict[str, float]:
+    """This machine's memory copy bandwidth: the best of `rounds` np.copyto of a float32 buffer
+    of `nbytes`, counting the bytes read plus the bytes written (2 * nbytes per copy):
+    {buffer_bytes, best_seconds, gbps}. A measured stand-in for `mem_gbps`."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the destination's pages in before timing
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return {"buffer_bytes": int(src.nbytes), "best_seconds": best, "gbps": 2 * src.nbytes / best / 1e9}
+
+
+def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: float) -> DecodeBound:
+    """Speed bound of one decoded token at an expert-cache hit rate in [0, 1]; bandwidths in GB/s
+    (`copy_bandwidth()["gbps"]` measures this machine's memory figure)."""
     if not 0.0 <= hit_rate <= 1.0:
         raise WasteError(f"hit rate {hit_rate}: expected a fraction between 0 and 1")
     if nvme_gbps <= 0 or mem_gbps <= 0:
