@@ -33,6 +33,7 @@ lab: $(VENV)
 
 bench: $(VENV)
 	$(BIN)/python bench/kda.py
+	$(BIN)/python bench/mla.py
 	$(BIN)/python bench/quant.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/streaming.py
