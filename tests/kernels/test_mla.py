@@ -103,3 +103,20 @@ def test_bad_arguments_raise() -> None:
         mla_decode(np.zeros((H, R), np.float32), latent, 2, 1.0, R)
     with pytest.raises(WasteError, match="float32"):
         mla_decode(q, latent.astype(np.float64), 2, 1.0, R)
+
+
+@pytest.mark.parametrize("heads", [4, 6, 32])
+def test_decode_head_groups(heads: int) -> None:
+    """The decode kernel scores heads four at a time: whole groups and a remainder, against
+    latent-space attention in float64."""
+    rng = np.random.default_rng(heads)
+    n, D = 37, R + ROPE
+    latent = rng.standard_normal((n + 2, D)).astype(np.float32)
+    latent[n:] = np.nan  # rows past the length must not be read
+    q = rng.standard_normal((heads, D)).astype(np.float32)
+    o, p = mla_decode(q, latent, n, 0.2, R)
+    s = 0.2 * q.astype(np.float64) @ latent[:n].astype(np.float64).T
+    ref_p = np.exp(s - s.max(axis=1, keepdims=True))
+    ref_p /= ref_p.sum(axis=1, keepdims=True)
+    _close(p, ref_p)
+    _close(o, ref_p @ latent[:n, :R].astype(np.float64))
