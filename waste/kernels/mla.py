@@ -8,11 +8,14 @@ dot product with the cached row, and its output is the probability-weighted sum 
 latents (first R values), mapped to the value space by W_UV[h] outside these kernels.
 Nothing here ever expands the cache into per-head keys or values.
 
-Both are Numba kernels on purpose. Two BLAS products per chunk (with a NumPy softmax) ran the
-prefill alone 2.1x faster at the Kimi-Linear shape, and BLAS decode 1.5x faster alone, but
-OpenBLAS's worker threads keep spinning after each call and slow every Numba kernel that
-follows on a 2-core machine: engine prefill on `mini` fell from about 500 to 160 tokens/s,
-and a decode-step mix ran 2.8x slower (measured 2026-11-29).
+Decode is a Numba kernel (blocks of cached rows shared by all heads, four heads per load).
+Prefill is two BLAS products per tile of queries around a NumPy softmax. Measured at the
+Kimi-Linear shape (H = 32, D = 576, R = 512), 32-token chunks up to 2048 tokens, 2 cores,
+with BLAS on one thread as waste.jit sets it: 1.55x faster than the best Numba prefill tried
+(four queries per key dot product, four keys per output row: 41 GMAC/s on two threads),
+1.45x with KDA kernels run between the calls. With OpenBLAS's two spinning worker threads the
+same code made the engine's whole prefill on `mini` 3x slower. For decode, the two-thread
+Numba kernel beats one BLAS thread by about 10%.
 
 Shapes: q_abs [H, D] (decode) or [T, H, D] (prefill); latent [capacity, D]; output
 [H, R] or [T, H, R]; probs [H, n] with n the number of cached tokens attended.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import kernel, num_threads, parallel_kernel, prange
+from waste.jit import num_threads, parallel_kernel, prange
 
 # Cached rows per block in the decode kernel (16 rows x 576 values = 36 KiB); measured best of
 # 1..64 at H=32, 4096 tokens on the 2-core dev machine.
@@ -103,89 +106,27 @@ def _decode(q, latent, n, scale, kv_rank, nchunks, block, probs, out):
             out[h, r] = acc
 
 
-# Queries per tile in the prefill kernel: the tile's outputs (64 x R floats, 128 KiB at R = 512)
-# and queries stay in L2 while every visible key is visited once for the whole tile.
+# Queries per BLAS tile in the prefill: bounds the scores at tile x H x n floats
+# (64 x 32 x 4096 x 4 B = 32 MiB at Kimi-Linear's 32 heads and a 4K context).
 PREFILL_QUERY_TILE = 64
 
 
-@parallel_kernel
-def _prefill(q, latent, start, scale, kv_rank, out):
-    T, H, D = q.shape
-    for h in prange(H):
-        for t0 in range(0, T, PREFILL_QUERY_TILE):
-            _prefill_tile(q, latent, start, scale, kv_rank, out, h, t0, min(T, t0 + PREFILL_QUERY_TILE))
+def _prefill_tile(q, keys, first, scale, kv_rank, out):
+    """Queries q [T, H, D] at positions first..first+T-1 over keys [first + T, D] -> out [T, H, R].
 
-
-@kernel
-def _prefill_tile(q, latent, start, scale, kv_rank, out, h, t0, t1):
-    """Queries t0..t1-1 of head h: scores, causal softmax, probability-weighted latents.
-
-    Queries go four at a time through each key's dot products, and keys four at a time through
-    each query's output row, so one load of a latent row serves four multiply-adds. A four-query
-    group may score a key its first members cannot see yet; those scores are never read, and
-    the probabilities past each query's horizon are zeroed before the output sum.
+    Two BLAS products (scores, then probabilities times latents) around a causal softmax;
+    the causal mask only ever hides part of the last T columns.
     """
-    D = q.shape[2]
-    nq = t1 - t0
-    nq4 = (nq + 3) // 4 * 4
-    n = start + t1  # keys visible to the tile's last query
-    qt = np.zeros((nq4, D), np.float32)  # zero rows pad the last group of four
-    for tt in range(nq):
-        for d in range(D):
-            qt[tt, d] = q[t0 + tt, h, d]
-    s = np.empty((nq4, n), np.float32)
-    for j in range(n):
-        lj = latent[j]
-        first = max(0, j - start - t0)  # first query of the tile that sees key j
-        for g in range(first - first % 4, nq4, 4):
-            q0, q1, q2, q3 = qt[g], qt[g + 1], qt[g + 2], qt[g + 3]
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            for d in range(D):
-                x = lj[d]
-                a0 += q0[d] * x
-                a1 += q1[d] * x
-                a2 += q2[d] * x
-                a3 += q3[d] * x
-            s[g, j] = a0 * scale
-            s[g + 1, j] = a1 * scale
-            s[g + 2, j] = a2 * scale
-            s[g + 3, j] = a3 * scale
-    for tt in range(nq):
-        last = start + t0 + tt + 1
-        m = -np.inf
-        for j in range(last):
-            m = max(m, s[tt, j])
-        total = 0.0
-        for j in range(last):
-            e = np.exp(s[tt, j] - m)
-            s[tt, j] = e
-            total += e
-        inv = 1.0 / total
-        for j in range(last):
-            s[tt, j] *= inv
-        for j in range(last, n):
-            s[tt, j] = 0.0
-    acc = np.zeros((nq, kv_rank), np.float32)
-    for j in range(0, n - 3, 4):
-        L0, L1, L2, L3 = latent[j], latent[j + 1], latent[j + 2], latent[j + 3]
-        for tt in range(max(0, j - start - t0), nq):
-            p0, p1, p2, p3 = s[tt, j], s[tt, j + 1], s[tt, j + 2], s[tt, j + 3]
-            at = acc[tt]
-            for r in range(kv_rank):
-                at[r] += (p0 * L0[r] + p1 * L1[r]) + (p2 * L2[r] + p3 * L3[r])
-    for j in range(n - n % 4, n):
-        Lj = latent[j]
-        for tt in range(max(0, j - start - t0), nq):
-            p = s[tt, j]
-            at = acc[tt]
-            for r in range(kv_rank):
-                at[r] += p * Lj[r]
-    for tt in range(nq):
-        for r in range(kv_rank):
-            out[t0 + tt, h, r] = acc[tt, r]
+    T, H, D = q.shape
+    n = keys.shape[0]
+    s = (q.reshape(T * H, D) @ keys.T).reshape(T, H, n)
+    s *= np.float32(scale)
+    ahead = np.arange(T)[:, None] < np.arange(T)[None, :]  # key first + j is after query t
+    np.putmask(s[:, :, first:], np.broadcast_to(ahead[:, None, :], (T, H, T)), -np.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    out[...] = (s.reshape(T * H, n) @ keys[:, :kv_rank]).reshape(T, H, kv_rank)
 
 
 def _check_latent(latent: np.ndarray, q_width: int, kv_rank: int) -> None:
@@ -251,6 +192,7 @@ def mla_prefill(
         out = np.empty((T, H, kv_rank), np.float32)
     if out.shape != (T, H, kv_rank):
         raise WasteError(f"MLA prefill output must be [T, H, R] = {(T, H, kv_rank)}, got {out.shape}")
-    if T:
-        _prefill(q_abs, latent, start, np.float32(scale), kv_rank, out)
+    for t0 in range(0, T, PREFILL_QUERY_TILE):
+        t1 = min(T, t0 + PREFILL_QUERY_TILE)
+        _prefill_tile(q_abs[t0:t1], latent[: start + t1], start + t0, scale, kv_rank, out[t0:t1])
     return out
