@@ -16,12 +16,11 @@ bench/results/mla.json, asserts nothing.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS_DIR, format_table, machine_info, write_json
+from common import RESULTS_DIR, best_seconds, format_table, machine_info, write_json
 
 from waste.analysis.budget import copy_bandwidth
 from waste.kernels.mla import mla_decode, mla_prefill
@@ -31,18 +30,6 @@ D = R + ROPE
 SCALE = 192**-0.5  # (qk_nope 128 + rope 64) ** -0.5
 CHUNK = 32
 DECODE_CONTEXTS = (1024, 4096, 16384)
-
-
-def best_seconds(fn, rounds: int, settle_s: float = 0.1) -> float:
-    """Best of `rounds` calls, each after `settle_s` of sleep (BLAS worker threads go idle)."""
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        time.sleep(settle_s)
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def prefill_macs(T: int, start: int) -> float:
@@ -74,6 +61,7 @@ def bench_prefill(rng: np.random.Generator, context: int, rounds: int) -> list[d
     }
     rows = []
     for name, (fn, gemm, macs) in cases.items():
+        fn()  # compile or load the kernels first
         t, t_gemm = best_seconds(fn, rounds), best_seconds(gemm, rounds)
         rows.append({"case": name, "seconds": t, "gmacs": macs / t / 1e9, "gemm_seconds": t_gemm,
                      "gemm_gmacs": macs / t_gemm / 1e9, "fraction_of_gemm": t_gemm / t})
@@ -85,8 +73,9 @@ def bench_decode(rng: np.random.Generator, rounds: int, copy_gbps: float) -> lis
     for n in DECODE_CONTEXTS:
         latent = (0.05 * rng.standard_normal((n, D))).astype(np.float32)
         q = (0.05 * rng.standard_normal((H, D))).astype(np.float32)
-        # back to back, as decode steps run
-        t = best_seconds(lambda latent=latent, q=q: mla_decode(q, latent, len(latent), SCALE, R), rounds * 5, 0.0)
+        step = lambda latent=latent, q=q: mla_decode(q, latent, len(latent), SCALE, R)  # noqa: E731
+        step()
+        t = best_seconds(step, rounds * 5)  # back to back, as decode steps run
         gbps = latent.nbytes / t / 1e9
         rows.append({"context": n, "cache_bytes": latent.nbytes, "us": t * 1e6, "gmacs": H * n * (D + R) / t / 1e9,
                      "read_gbps": gbps,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from common import machine_info, write_json
+from common import best_seconds, machine_info, write_json
 
 from waste.jit import num_threads
 from waste.kernels import quant as qk
@@ -144,18 +144,6 @@ def measure_shape(name: str, n: int, k: int, rng: np.random.Generator, rounds: i
             "matmul_ms": mm * 1e3, "matmul_gbs": m.nbytes / mm / 1e9, "matmul_vs_numpy": np_mm / mm,
         }
     return row
-
-
-def best_seconds(fn: Callable[[], object], rounds: int, settle_s: float = 0.0) -> float:
-    """Best wall time of `rounds` calls of fn, back to back unless settle_s > 0 (see best_times: after
-    a pause the quantiser measured 1.3-1.5 ns/weight instead of 0.8-0.9, docs/QUANT.md)."""
-    best = float("inf")
-    for _ in range(rounds):
-        time.sleep(settle_s)
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def measure_quantize(rounds: int, reference_rounds: int) -> dict[str, object]:
