@@ -132,10 +132,10 @@ def test_unquantised_product_matches_reference(fmt: str) -> None:
     assert _rel(m.matmul(X[:1]), ref.reference_matmul(m, X[:1])) <= 1e-5
 
 
-def _generic_driver(fmt: str):
+def _generic_driver():
     """A serial driver over the portable (non-VNNI) IR of the same blocks."""
-    tile = qk._make_block(fmt, qk.TOKEN_TILE, False)
-    one = qk._make_block(fmt, 1, False)
+    tile = qk._make_block(qk.TOKEN_TILE, False)
+    one = qk._make_block(1, False)
 
     @kernel
     def drive(qs, scales, tscale, xq, xsum, xs, Y):
@@ -162,7 +162,7 @@ def test_portable_lowering_gives_the_same_bits(fmt: str) -> None:
     xq, xsum, xs = np.empty((T, G * 32), np.int8), np.empty((T, G), np.int32), np.empty((T, G), np.float32)
     qk.quantize_activations(X, xq, xsum, xs)
     Y = np.full((T, 48), np.nan, np.float32)
-    _generic_driver(fmt)(m.buffers["qs"], m.buffers["scales"].view(np.uint16), m.buffers["tscale"], xq, xsum, xs, Y)
+    _generic_driver()(m.buffers["qs"], m.buffers["scales"].view(np.uint16), m.buffers["tscale"], xq, xsum, xs, Y)
     np.testing.assert_array_equal(Y[:, :N], m.matmul(X))
 
 

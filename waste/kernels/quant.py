@@ -71,10 +71,9 @@ class QMatrix:
         # buffers (the kernel, contiguous buffers, the scales' uint16 view) is derived once here.
         if self.fmt in ("q8g", "q4g"):
             qs, scales, tscale = (np.ascontiguousarray(self.buffers[b]) for b in ("qs", "scales", "tscale"))
-            product = _q8g_product if self.fmt == "q8g" else _q4g_product
             scales = scales.view(np.uint16)
             # qs[:0], scales[:0]: the empty second matrix of a single product
-            object.__setattr__(self, "_qargs", (product, qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
+            object.__setattr__(self, "_qargs", (qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
 
     @property
     def nbytes(self) -> int:
@@ -160,11 +159,11 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     if X.ndim != 2 or X.shape[1] != a.shape[1]:
         raise WasteError(f"{a.fmt} matrix {a.shape}: matmul input must have shape [T, {a.shape[1]}], got {X.shape}")
     X = np.ascontiguousarray(X, np.float32)
-    product, qa, sa, ta, padded, _, _ = a._qargs  # type: ignore[attr-defined]
-    _, qb, sb, tb, _, _, _ = b._qargs  # type: ignore[attr-defined]
+    qa, sa, ta, padded, _, _ = a._qargs  # type: ignore[attr-defined]
+    qb, sb, tb, _, _, _ = b._qargs  # type: ignore[attr-defined]
     Ya = np.empty((X.shape[0], padded), np.float32)
     Yb = np.empty_like(Ya)
-    product(X, qa, sa, ta, qb, sb, tb, Ya, Yb)
+    _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb)
     if padded != a.shape[0]:
         return np.ascontiguousarray(Ya[:, :a.shape[0]]), np.ascontiguousarray(Yb[:, :a.shape[0]])
     return Ya, Yb
@@ -308,9 +307,9 @@ def quantize_activations(X, xq, xsum, xs):
 
 def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
     """Y [T, N] = X W^T for a q-format matrix; X [T, K] float32 contiguous."""
-    product, qs, scales, tscale, padded, no_qs, no_scales = m._qargs  # type: ignore[attr-defined]
+    qs, scales, tscale, padded, no_qs, no_scales = m._qargs  # type: ignore[attr-defined]
     Y = np.empty((X.shape[0], padded), np.float32)
-    product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y)
+    _q_product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y)
     return Y if padded == m.shape[0] else np.ascontiguousarray(Y[:, :m.shape[0]])
 
 
@@ -357,16 +356,22 @@ def _dot4(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, x4: ir.Value, vnni:
     return acc
 
 
-def _make_block(fmt: str, tokens: int, vnni: bool):
+_FORMAT_OF_CODES = {types.int8: "q8g", types.uint8: "q4g"}
+
+
+def _make_block(tokens: int, vnni: bool):
     """An intrinsic block(qs, scales, xq, xsum, xs, Y, tscale, b, t0) that writes
-    Y[t0:t0+tokens, 16b:16b+16] for row block b; arrays as in _q8g_product, C-contiguous."""
-    offset = CODE_OFFSET[fmt]
+    Y[t0:t0+tokens, 16b:16b+16] for row block b; arrays as in _q_product, C-contiguous. The
+    codes' dtype picks the format at compile time: int8 q8g, uint8 q4g."""
 
     @intrinsic
     def block(typingctx, qs, scales, xq, xsum, xs, Y, tscale, b, t0):
+        fmt = _FORMAT_OF_CODES.get(getattr(qs, "dtype", None))
+        if fmt is None:
+            return None
+        offset = CODE_OFFSET[fmt]
         arrays = (qs, scales, xq, xsum, xs, Y)
-        dtypes = (types.int8 if fmt == "q8g" else types.uint8, types.uint16, types.int8, types.int32,
-                  types.float32, types.float32)
+        dtypes = (qs.dtype, types.uint16, types.int8, types.int32, types.float32, types.float32)
         if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d
                    for a, d in zip(arrays, dtypes, strict=True)):
             return None
@@ -437,10 +442,8 @@ def _make_block(fmt: str, tokens: int, vnni: bool):
 
 
 _VNNI = _host_has_vnni()
-_q8g_tile = _make_block("q8g", TOKEN_TILE, _VNNI)
-_q8g_one = _make_block("q8g", 1, _VNNI)
-_q4g_tile = _make_block("q4g", TOKEN_TILE, _VNNI)
-_q4g_one = _make_block("q4g", 1, _VNNI)
+_block_tile = _make_block(TOKEN_TILE, _VNNI)
+_block_one = _make_block(1, _VNNI)
 
 
 # Entering Numba's thread pool costs microseconds, more than quantising a few tokens or
@@ -451,36 +454,24 @@ SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 
 @kernel
-def _q8g_rows(qs, scales, xq, xsum, xs, Y, ts, b):
+def _rows(qs, scales, xq, xsum, xs, Y, ts, b):
     """Row block b of Y for all tokens: tiles of TOKEN_TILE tokens, then one at a time."""
     T = Y.shape[0]
     t = 0
     while t + TOKEN_TILE <= T:
-        _q8g_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        _block_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
         t += TOKEN_TILE
     while t < T:
-        _q8g_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
-        t += 1
-
-
-@kernel
-def _q4g_rows(qs, scales, xq, xsum, xs, Y, ts, b):
-    """As _q8g_rows for q4g codes."""
-    T = Y.shape[0]
-    t = 0
-    while t + TOKEN_TILE <= T:
-        _q4g_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
-        t += TOKEN_TILE
-    while t < T:
-        _q4g_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        _block_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
         t += 1
 
 
 @parallel_kernel
-def _q8g_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
-    """Ya [T, 16NA] = X A^T and Yb [T, 16NB] = X B^T for q8g matrices A, B with the same G (B may
-    have no row blocks): codes q [NB, G, 512], scales [NB, G, 16] (float16 bits), tscale [1].
-    The activations are quantised once, then the row blocks of both run in parallel."""
+def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
+    """Ya [T, 16NA] = X A^T and Yb [T, 16NB] = X B^T for q8g (int8 codes q [NB, G, 512]) or q4g
+    (uint8 codes q [NB, G, 256]) matrices A, B with the same G (B may have no row blocks);
+    scales [NB, G, 16] (float16 bits), tscale [1]. The activations are quantised once, then
+    the row blocks of both run in parallel."""
     T = X.shape[0]
     G = qa.shape[1]
     xq = np.empty((T, G * GROUP), np.int8)
@@ -496,41 +487,12 @@ def _q8g_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
     if (qa.size + qb.size) * T <= SERIAL_BYTES:
         for i in range(NA + qb.shape[0]):
             if i < NA:
-                _q8g_rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+                _rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
             else:
-                _q8g_rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
+                _rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
     else:
         for i in prange(NA + qb.shape[0]):
             if i < NA:
-                _q8g_rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+                _rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
             else:
-                _q8g_rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
-
-
-@parallel_kernel
-def _q4g_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
-    """As _q8g_product for q4g codes q [NB, G, 256]."""
-    T = X.shape[0]
-    G = qa.shape[1]
-    xq = np.empty((T, G * GROUP), np.int8)
-    xsum = np.empty((T, G), np.int32)
-    xs = np.empty((T, G), np.float32)
-    if T <= SERIAL_TOKENS:
-        for t in range(T):
-            _quantize_token(X, t, xq, xsum, xs)
-    else:
-        for t in prange(T):
-            _quantize_token(X, t, xq, xsum, xs)
-    NA = qa.shape[0]
-    if (qa.size + qb.size) * T <= SERIAL_BYTES:
-        for i in range(NA + qb.shape[0]):
-            if i < NA:
-                _q4g_rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
-            else:
-                _q4g_rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
-    else:
-        for i in prange(NA + qb.shape[0]):
-            if i < NA:
-                _q4g_rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
-            else:
-                _q4g_rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
+                _rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
