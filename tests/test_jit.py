@@ -40,3 +40,11 @@ def test_kernel_options_are_shared() -> None:
     assert double(21) == 42
     assert type(double._cache).__name__ != "NullCache"  # compiled code is kept on disk
     assert double.targetoptions["fastmath"] == jit.FASTMATH and double.targetoptions["nogil"]
+
+
+def test_bad_blas_threads_is_a_one_line_cli_error() -> None:
+    env = dict(os.environ, **{jit.BLAS_THREADS_ENV: "0"})
+    code = "from waste.cli import main; raise SystemExit(main(['plan', 'tiny']))"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip() == "waste: error: WASTE_BLAS_THREADS='0': expected a positive number of threads"
