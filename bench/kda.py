@@ -31,6 +31,7 @@ from common import RESULTS_DIR, format_table, machine_info, write_json
 from waste.jit import kernel, parallel_kernel
 from waste.kernels import kda as kk
 from waste.kernels import kda_chunk as kc
+from waste.kernels import kda_decode as kd
 from waste.reference.kda import naive_recurrent_kda
 
 DECODE_HEADS = (32, 96)
@@ -93,8 +94,8 @@ def bench_decode(rng: np.random.Generator, rounds: int) -> list[dict[str, Any]]:
         S_np, S_def, dst = S.copy(), S.copy(), np.empty_like(S)
         pk, pd = np.zeros((H, HEAD_DIM), np.float32), np.zeros((H, HEAD_DIM), np.float32)
         kernels = {
-            "two_pass": lambda x=x, S=S: kk.kda_decode_step(*x, S),
-            "deferred": lambda x=x, S=S_def, pk=pk, pd=pd: kk.kda_decode_step_deferred(*x, S, pk, pd),
+            "two_pass": lambda x=x, S=S: kd.kda_decode_step(*x, S),
+            "deferred": lambda x=x, S=S_def, pk=pk, pd=pd: kd.kda_decode_step_deferred(*x, S, pk, pd),
         }
         fns = {
             "copy": lambda S=S, dst=dst: np.copyto(dst, S),
@@ -143,11 +144,11 @@ def accuracy(rng: np.random.Generator) -> list[dict[str, Any]]:
         q, k, v, g, beta, S0 = inputs(rng, T, H, D)
         o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=S0)
         S = S0.copy()
-        o_dec = np.stack([kk.kda_decode_step(q[t], k[t], v[t], g[t], beta[t], S) for t in range(T)])
+        o_dec = np.stack([kd.kda_decode_step(q[t], k[t], v[t], g[t], beta[t], S) for t in range(T)])
         base, pk, pd = S0.copy(), np.zeros((H, D), np.float32), np.zeros((H, D), np.float32)
-        o_def = np.stack([kk.kda_decode_step_deferred(q[t], k[t], v[t], g[t], beta[t], base, pk, pd)
+        o_def = np.stack([kd.kda_decode_step_deferred(q[t], k[t], v[t], g[t], beta[t], base, pk, pd)
                           for t in range(T)])
-        kk.apply_pending(base, pk, pd)
+        kd.apply_pending(base, pk, pd)
         results = {"decode": (o_dec, S), "deferred decode": (o_def, base),
                    "recurrent": kk.recurrent_kda(q, k, v, g, beta, initial_state=S0),
                    "chunk": kc.chunk_kda(q, k, v, g, beta, initial_state=S0)}
@@ -164,9 +165,9 @@ def packed_fma() -> list[dict[str, Any]]:
     q, k, v, g, beta, S = inputs(rng, 3, 2, 16)
     o = np.empty_like(v)
     builds = {
-        "_decode_kernel": (parallel_kernel(kk._decode_kernel.py_func, cache=False),
+        "_decode_kernel": (parallel_kernel(kd._decode_kernel.py_func, cache=False),
                            (q[0], k[0], v[0], g[0], beta[0], 0.25, True, S.copy(), o[0])),
-        "_deferred_decode_kernel": (parallel_kernel(kk._deferred_decode_kernel.py_func, cache=False),
+        "_deferred_decode_kernel": (parallel_kernel(kd._deferred_decode_kernel.py_func, cache=False),
                                     (q[0], k[0], v[0], g[0], beta[0], 0.25, True, S.copy(), q[0].copy(),
                                      v[0].copy(), o[0])),
         "_recurrent_kernel": (parallel_kernel(kk._recurrent_kernel.py_func, cache=False),

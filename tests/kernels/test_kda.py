@@ -16,6 +16,7 @@ import pytest
 from waste.errors import WasteError
 from waste.jit import kernel
 from waste.kernels import kda as kk
+from waste.kernels import kda_decode as kd
 from waste.kernels import short_conv as sc
 from waste.reference import kda as ref
 from waste.testing import kda_inputs
@@ -134,7 +135,7 @@ def test_recurrent_and_decode_match_reference(T: int, H: int, Kd: int, record_pr
     record_property("recurrent_max_diff", (err_o, err_s))
     assert err_o <= ATOL and err_s <= ATOL, (err_o, err_s)
     state = s0.copy()
-    o_dec = np.stack([kk.kda_decode_step(q[t], k[t], v[t], g[t], beta[t], state) for t in range(T)])
+    o_dec = np.stack([kd.kda_decode_step(q[t], k[t], v[t], g[t], beta[t], state) for t in range(T)])
     err_o, err_s = _maxdiff(o_dec, o_ref), _maxdiff(state, s_ref)
     record_property("decode_max_diff", (err_o, err_s))
     assert err_o <= ATOL and err_s <= ATOL, (err_o, err_s)
@@ -152,10 +153,10 @@ def _deferred_decode(q, k, v, g, beta, s0, fold_after=(), **kw):
     pk, pd = np.zeros((H, Kd), np.float32), np.zeros((H, v.shape[2]), np.float32)
     o = []
     for t in range(T):
-        o.append(kk.kda_decode_step_deferred(q[t], k[t], v[t], g[t], beta[t], base, pk, pd, **kw))
+        o.append(kd.kda_decode_step_deferred(q[t], k[t], v[t], g[t], beta[t], base, pk, pd, **kw))
         if t in fold_after:
-            kk.apply_pending(base, pk, pd)
-    kk.apply_pending(base, pk, pd)
+            kd.apply_pending(base, pk, pd)
+    kd.apply_pending(base, pk, pd)
     assert not np.any(pk) and not np.any(pd)
     return np.stack(o), base
 
@@ -191,12 +192,12 @@ def test_kernels_write_every_output() -> None:
     assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(state, s_ref) <= ATOL
     o1 = np.full((H, V), np.nan, np.float32)
     state = s0.copy()
-    kk._decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, o1)
+    kd._decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, o1)
     assert _maxdiff(o1, o_ref[0]) <= ATOL
     o1[:] = np.nan
     state = s0.copy()
     pk, pd = np.zeros((H, Kd), np.float32), np.zeros((H, V), np.float32)
-    kk._deferred_decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, pk, pd, o1)
+    kd._deferred_decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, pk, pd, o1)
     assert _maxdiff(o1, o_ref[0]) <= ATOL
     y = np.full((T, H * Kd), np.nan, np.float32)
     sc._conv_seq_kernel(q.reshape(T, -1), np.ones((4, H * Kd), np.float32), np.zeros((3, H * Kd), np.float32), y)
@@ -212,7 +213,7 @@ def test_options_scale_and_no_l2norm() -> None:
         o, s = kk.recurrent_kda(q, k, v, g, beta, initial_state=s0, **kw)
         assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(s, s_ref) <= ATOL
         state = s0.copy()
-        o1 = kk.kda_decode_step(q[0], k[0], v[0], g[0], beta[0], state, **kw)
+        o1 = kd.kda_decode_step(q[0], k[0], v[0], g[0], beta[0], state, **kw)
         o1_ref = ref.naive_recurrent_kda(q[:1], k[:1], v[:1], g[:1], beta[:1], initial_state=s0, **kw)[0][0]
         assert _maxdiff(o1, o1_ref) <= ATOL
         o_def, s_def = _deferred_decode(q, k, v, g, beta, s0, **kw)
@@ -246,9 +247,9 @@ def test_prefill_kda_and_bad_shapes() -> None:
     with pytest.raises(WasteError):
         kk.recurrent_kda(q, k, v, g, beta, initial_state=np.zeros((2, 8, 9)))
     with pytest.raises(WasteError):
-        kk.kda_decode_step(q[0], k[0], v[0], g[0], beta[0], np.zeros((2, 8, 8)))  # float64 state
+        kd.kda_decode_step(q[0], k[0], v[0], g[0], beta[0], np.zeros((2, 8, 8)))  # float64 state
     state, pk, pd = s0.copy(), np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32)
     with pytest.raises(WasteError, match="pending_d"):
-        kk.kda_decode_step_deferred(q[0], k[0], v[0], g[0], beta[0], state, pk, pd[:, :7].copy())
+        kd.kda_decode_step_deferred(q[0], k[0], v[0], g[0], beta[0], state, pk, pd[:, :7].copy())
     with pytest.raises(WasteError, match="pending_k"):
-        kk.apply_pending(state, pk.astype(np.float64), pd)
+        kd.apply_pending(state, pk.astype(np.float64), pd)

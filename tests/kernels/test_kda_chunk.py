@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from waste.errors import WasteError
-from waste.kernels.kda import kda_decode_step, kda_gate_lower_bound, kda_gate_softplus, recurrent_kda
+from waste.kernels.kda import kda_gate_lower_bound, kda_gate_softplus, recurrent_kda
 from waste.kernels.kda_chunk import _chunk_kernel, chunk_kda
+from waste.kernels.kda_decode import kda_decode_step
 from waste.reference.kda import naive_recurrent_kda
 from waste.testing import kda_inputs
 

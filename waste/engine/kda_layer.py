@@ -23,13 +23,12 @@ from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.kernels.kda import (
     a_log_per_head,
-    apply_pending,
     gated_rmsnorm,
-    kda_decode_step_deferred,
     kda_gate_lower_bound,
     kda_gate_softplus,
     prefill_kda,
 )
+from waste.kernels.kda_decode import apply_pending, kda_decode_step_deferred
 from waste.kernels.quant import QMatrix, matmul_pair
 from waste.kernels.short_conv import conv_taps, short_conv_silu, short_conv_silu_step
 
