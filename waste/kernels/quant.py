@@ -85,11 +85,10 @@ class QMatrix:
         if x.shape != (self.shape[1],):
             raise WasteError(f"{self.fmt} matrix {self.shape}: matvec input must have shape ({self.shape[1]},), "
                              f"got {x.shape}")
-        if self.fmt == "f32":
-            return self.buffers["w"] @ np.asarray(x, np.float32)
-        if self.fmt == "bf16":
+        if self.fmt in ("f32", "bf16"):
             y = np.empty(self.shape[0], np.float32)
-            _bf16_matvec(self.buffers["w"], np.ascontiguousarray(x, np.float32), y)
+            matvec = _f32_matvec if self.fmt == "f32" else _bf16_matvec
+            matvec(self.buffers["w"], np.ascontiguousarray(x, np.float32), y)
             return y
         return _qproduct(self, np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
 
@@ -236,12 +235,25 @@ def quantization_snr_db(w: np.ndarray, fmt: str, x: np.ndarray) -> float:
     return float(10.0 * np.log10(np.sum(exact**2) / max(np.sum(noise**2), 1e-300)))
 
 
-# -- bfloat16 ---------------------------------------------------------------------------------
+# -- float32 and bfloat16 ----------------------------------------------------------------------
 
 
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bits [..] uint16 -> float32: the upper half of a float32."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# One token's product runs here rather than in BLAS: BLAS is held to one thread (waste.jit),
+# and these loops on all cores ran 4096 x 2304 in half its time (0.62 against 1.25 ms).
+@parallel_kernel
+def _f32_matvec(w, x, y):
+    """y[N] = W x with W float32 [N, K]."""
+    N, K = w.shape
+    for n in prange(N):
+        s = np.float32(0.0)
+        for k in range(K):
+            s += w[n, k] * x[k]
+        y[n] = s
 
 
 @parallel_kernel
