@@ -43,14 +43,11 @@ def _decode_kernel(q, k, v, g, beta, scale, l2norm_qk, state, o):
     H, K = q.shape
     V = v.shape[1]
     for h in prange(H):
-        u = np.empty(V, np.float32)
-        w = np.empty(V, np.float32)
+        u = np.zeros(V, np.float32)
+        w = np.zeros(V, np.float32)
         a, kn, ak, aq, qk = _decode_coefficients(q, k, g, h, scale, l2norm_qk)
         b = beta[h]
         S = state[h]
-        for j in range(V):
-            u[j] = 0.0
-            w[j] = 0.0
         for i in range(K):
             aki = ak[i]
             aqi = aq[i]
