@@ -4,6 +4,7 @@ independently of the fast code that writes it (docs/QUANT.md, "Byte layout")."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from waste.kernels.quant import from_buffers
 from waste.reference.quant import reference_dequantize, reference_matvec, reference_quantize_activation
@@ -55,3 +56,21 @@ def test_matvec_from_integers() -> None:
     m = from_buffers("q8g", (2, 2), _buffers(qs, 1.0, 1.0))
     x = np.array([127.0, 254.0], np.float32)  # one group: scale 2, codes 64 (63.5 -> even) and 127
     np.testing.assert_array_equal(reference_matvec(m, x), [2 * 64 * 2.0, -3 * 127 * 2.0])
+
+
+def test_bf16_bits_by_hand() -> None:
+    # bfloat16 0x3FC0 is 1.5 and 0xC000 is -2: the top half of the float32 bit pattern.
+    m = from_buffers("bf16", (1, 2), {"w": np.array([[0x3FC0, 0xC000]], np.uint16)})
+    np.testing.assert_array_equal(reference_dequantize(m), [[1.5, -2.0]])
+
+
+def test_rows_are_the_embedding_lookup() -> None:
+    rng = np.random.default_rng(3)
+    qs = rng.integers(-127, 128, (3, 2, 512)).astype(np.int8)
+    scales = rng.uniform(0.5, 2.0, (3, 2, 16)).astype(np.float16)
+    m = from_buffers("q8g", (40, 50), {"qs": qs, "scales": scales, "tscale": np.array([0.125], np.float32)})
+    full = reference_dequantize(m)
+    ids = np.array([39, 0, 17, 17, 5])
+    np.testing.assert_array_equal(reference_dequantize(m, rows=ids), full[ids])
+    with pytest.raises(ValueError, match="row ids"):
+        reference_dequantize(m, rows=np.array([40]))

@@ -1,8 +1,11 @@
 """Float64 whole-model oracle: the forward pass over a whole sequence, no cache, plain loops.
 
-It reads the same container as the engine (weights dequantised to float64) and shares nothing
-with the engine or the kernels: only the config, the container reader's interface and the
-float64 helpers in `waste.reference`. Block structure (FACTS.md):
+It reads the same container as the engine and shares nothing with the engine or the kernels:
+only the config, the container reader's interface (a matrix's format name, shape and raw
+buffers) and the float64 helpers in `waste.reference`. Weights are dequantised to float64 by
+`waste.reference.quant.reference_dequantize`, which decodes the raw buffers itself; the
+embedding lookup decodes only the rows in use. tests/reference/test_independence.py checks
+that nothing under waste/reference/ imports waste.kernels or waste.engine. Block structure (FACTS.md):
 
     h = embed(ids)
     per layer l: h += attn(RMSNorm(h)); h += ffn(RMSNorm(h))     -> hidden_states[l + 1]
@@ -12,8 +15,8 @@ attn is KDA (`waste.reference.kda`) or MLA (`waste.reference.mla`); ffn is the d
 for l < first_k_dense_replace, else the routed MoE (`waste.reference.moe`) with the router
 computed in float64 too (a float32 engine can only differ on near-ties of the top-k).
 
-The container offers `.config`, `.tensor(name)` (float32 arrays), `.matrix(name)` (QMatrix),
-`.expert(layer, e) -> (w1, w3, w2)` QMatrix and `.has(name)`.
+The container offers `.config`, `.tensor(name)` (float32 arrays), `.matrix(name)` and
+`.expert(layer, e) -> (w1, w3, w2)` (objects with `.fmt`, `.shape` and `.buffers`), and `.has(name)`.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from waste.errors import WasteError
 from waste.reference.kda import naive_kda_layer
 from waste.reference.mla import naive_mla_layer, rms_norm
 from waste.reference.moe import moe_ffn, swiglu
+from waste.reference.quant import reference_dequantize
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
-LM_HEAD_BLOCK = 8192  # vocabulary rows cast to float64 at a time
+LM_HEAD_BLOCK = 2048  # vocabulary rows decoded to float64 at a time (bounds the temporaries)
 
 
 @dataclass
@@ -71,7 +75,7 @@ class ReferenceModel:
     def matrix(self, name: str) -> np.ndarray:
         """A weight matrix dequantised to float64."""
         if name not in self._cache:
-            w = self.container.matrix(name).dequantize().astype(np.float64)
+            w = reference_dequantize(self.container.matrix(name))
             return self._keep(name, w, w.nbytes)
         return self._cache[name]
 
@@ -86,22 +90,22 @@ class ReferenceModel:
         """Routed expert e of a layer as float64 (w1 gate, w3 up, w2 down)."""
         key = ("expert", layer, e)
         if key not in self._cache:
-            w = tuple(m.dequantize().astype(np.float64) for m in self.container.expert(layer, e))
+            w = tuple(reference_dequantize(m) for m in self.container.expert(layer, e))
             return self._keep(key, w, sum(a.nbytes for a in w))
         return self._cache[key]
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
-        m = self.container.matrix("model.embed_tokens.weight")
         # Only the rows in use: the full float64 table of a real vocabulary would not fit.
-        rows = m.take_rows(ids) if hasattr(m, "take_rows") else m.dequantize()[ids]
-        return np.asarray(rows, np.float64)
+        return reference_dequantize(self.container.matrix("model.embed_tokens.weight"), rows=ids)
 
     def _lm_head(self, x: np.ndarray) -> np.ndarray:
         name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        w = self.container.matrix(name).dequantize()  # [vocab, hidden] float32
-        logits = np.empty((x.shape[0], w.shape[0]))
-        for r in range(0, w.shape[0], LM_HEAD_BLOCK):
-            logits[:, r : r + LM_HEAD_BLOCK] = x @ w[r : r + LM_HEAD_BLOCK].astype(np.float64).T
+        m = self.container.matrix(name)
+        vocab = m.shape[0]
+        logits = np.empty((x.shape[0], vocab))
+        for r in range(0, vocab, LM_HEAD_BLOCK):
+            rows = np.arange(r, min(vocab, r + LM_HEAD_BLOCK))
+            logits[:, r : r + rows.size] = x @ reference_dequantize(m, rows=rows).T
         return logits
 
     def mla(self, layer: int, x: np.ndarray) -> np.ndarray:

@@ -3,7 +3,8 @@
 They read a QMatrix's buffers by the byte-layout formulas of docs/QUANT.md, element by
 element index arithmetic rather than the fast code's reshapes, and never call the kernels.
 
-- `reference_dequantize(qm)`: the weights [N, K] in float64 (exact: code * scale * tscale).
+- `reference_dequantize(qm, rows=None)`: the weights [N, K] (or only the given rows, the
+  embedding lookup) in float64 (exact: code * scale * tscale), for f32, bf16, q8g and q4g.
 - `reference_quantize_activation(X)`: int8 codes [T, G, 32] and scales [T, G] per group of
   32; the codes are defined by IEEE float32 arithmetic (scale amax / 127, inverse 127 / amax,
   round half to even), reproduced here with NumPy float32 scalars so they match exactly.
@@ -21,6 +22,8 @@ import math
 
 import numpy as np
 
+from waste.errors import WasteError
+
 GROUP = 32
 ROWS = 16
 QMAX = {"q8g": 127, "q4g": 8}  # |code - offset| of the group's extreme weight
@@ -30,12 +33,13 @@ SCALE_EXPONENT = 14  # the largest group scale / tscale lies in [2**14, 2**15)
 BLOCK_ROWS = 4096  # rows quantised at once, bounding the float64 temporaries
 
 
-def _codes_and_scales(qm) -> tuple[np.ndarray, np.ndarray]:
-    """Signed integer codes [N, G, 32] (value / scale) and float64 scales [N, G] of a q matrix."""
+def _codes_and_scales(qm, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Signed integer codes [R, G, 32] (value / scale) and float64 scales [R, G] of a q matrix's
+    rows (all N rows when `rows` is None)."""
     n, _ = qm.shape
     qs = np.asarray(qm.buffers["qs"])  # [NB, G, bytes of one group of one block]
     g_count = qs.shape[1]
-    rows = np.arange(n)[:, None, None]  # [N, 1, 1]
+    rows = (np.arange(n) if rows is None else np.asarray(rows, np.int64))[:, None, None]  # [R, 1, 1]
     groups = np.arange(g_count)[None, :, None]  # [1, G, 1]
     j = np.arange(GROUP)[None, None, :]  # [1, 1, 32] position inside the group
     block, lane = rows // ROWS, rows % ROWS
@@ -55,16 +59,23 @@ def _codes_and_scales(qm) -> tuple[np.ndarray, np.ndarray]:
     return codes, scales.astype(np.float64) * float(qm.buffers["tscale"][0])
 
 
-def reference_dequantize(qm) -> np.ndarray:
-    """The weights [N, K] a QMatrix stands for, in float64."""
+def reference_dequantize(qm, rows: np.ndarray | None = None) -> np.ndarray:
+    """The weights [N, K] a QMatrix stands for in float64, or only rows `rows` [R] -> [R, K]
+    (the embedding lookup: a real vocabulary's whole table would not fit in float64)."""
     n, k = qm.shape
+    ids = np.arange(n) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+        raise ValueError(f"row ids must lie in [0, {n}), got {ids.min()}..{ids.max()}")
     if qm.fmt == "f32":
-        return np.asarray(qm.buffers["w"], np.float64)
+        return np.asarray(qm.buffers["w"])[ids].astype(np.float64)
     if qm.fmt == "bf16":
-        bits = np.asarray(qm.buffers["w"]).astype(np.uint32) << 16
+        # bfloat16 is the top half of a float32: shift the 16 stored bits up and reinterpret.
+        bits = np.asarray(qm.buffers["w"])[ids].astype(np.uint32) << 16
         return bits.view(np.float32).astype(np.float64)
-    codes, scales = _codes_and_scales(qm)
-    return (codes * scales[:, :, None]).reshape(n, codes.shape[1] * GROUP)[:, :k]
+    if qm.fmt not in QMAX:
+        raise WasteError(f"the float64 reference has no dequantiser for weight format {qm.fmt!r}")
+    codes, scales = _codes_and_scales(qm, ids)
+    return (codes * scales[:, :, None]).reshape(ids.size, codes.shape[1] * GROUP)[:, :k]
 
 
 def reference_quantize_activation(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
