@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = s.add_mutually_exclusive_group()
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
+    src.add_argument("--prompt", help="text, encoded by the container's tokenizer; the reply streams as text")
+    src.add_argument("--chat", help="a user's turn: Kimi's chat template around it (continues a --session-in "
+                     "conversation); the reply streams as text and stops at the end of the turn")
     s.add_argument("--max-new", type=int, default=16)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-p", type=float, default=1.0)

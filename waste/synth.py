@@ -1,6 +1,7 @@
 """Random Hugging Face style checkpoints with the real tensor names, for any preset's shape.
 
-`synthesize` writes `config.json`, shards `model-0000i-of-0000n.safetensors` and
+`synthesize` writes `config.json`, Kimi's tokenizer files when the vocabulary has room
+(`waste.tokenizer.synthetic_tokenizer_files`), shards `model-0000i-of-0000n.safetensors` and
 `model.safetensors.index.json`, one tensor at a time (memory bounded by the largest tensor).
 Each tensor is drawn from its own generator seeded by (seed, CRC32 of its name), so the
 values do not depend on sharding or on the order of writing.
@@ -39,6 +40,7 @@ from waste.container.format import (
     expert_name,
 )
 from waste.errors import WasteError
+from waste.tokenizer import synthetic_tokenizer_files, write_files
 from waste.units import human_bytes, parse_size
 
 DTYPES = {"bf16": ("BF16", ml_dtypes.bfloat16), "f32": ("F32", np.float32)}
@@ -175,6 +177,9 @@ def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir
         hf = cfg.to_hf_dict()
         hf["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        tokenizer = synthetic_tokenizer_files(cfg)
+        if tokenizer:
+            write_files(tmp, tokenizer)
         weight_map, total = {}, 0
         for i, names in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

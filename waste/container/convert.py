@@ -36,6 +36,8 @@ from waste.container.format import (
 )
 from waste.container.writer import ContainerWriter
 from waste.errors import WasteError
+from waste.tokenizer import CONTAINER_DIR as TOKENIZER_DIR
+from waste.tokenizer import file_record, tokenizer_file_bytes
 from waste.units import human_bytes
 
 INDEX = "model.safetensors.index.json"
@@ -189,6 +191,9 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", force: bo
     for name, t in found.items():
         by_file.setdefault(t.path, []).append((name, t))
     source = {"dtypes": sorted({t.dtype for t in found.values()}), "shards": len(by_file)}
+    tokenizer = tokenizer_file_bytes(hf_dir)
+    if tokenizer:
+        source["tokenizer"] = file_record(tokenizer)
     total = sum(t.nbytes for t in found.values())
     with ContainerWriter(out, cfg, quant, trunk, force=force, extra={"source": source}) as w, \
             tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {quant}", file=sys.stderr,
@@ -206,6 +211,7 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", force: bo
                         w.write_tensor(name, values)
                     del values
                     bar.update(t.nbytes)
+        w.add_files(TOKENIZER_DIR, tokenizer)
         return w.finish()
 
 

@@ -35,6 +35,7 @@ from waste.container.format import (
 )
 from waste.errors import WasteError
 from waste.kernels.quant import quantize
+from waste.tokenizer import write_files
 
 
 def _encode(entry: TensorEntry, value: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -133,6 +134,10 @@ class ContainerWriter:
             _pwrite_all(self._fds[EXPERTS], data, base + entry.offset + off)
         self.expert_crc[idx] = _span_crc(pieces)
         self.expert_done[idx] = True
+
+    def add_files(self, subdir: str, files: dict[str, bytes]) -> None:
+        """Carry small side files (the tokenizer) into `subdir` of the container."""
+        write_files(self.tmp / subdir, files)
 
     def finish(self) -> Path:
         """Check everything was written, write manifest.json, rename into place; the container's path."""

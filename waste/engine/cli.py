@@ -24,6 +24,10 @@ def parse_ids(text: str, where: str) -> list[int]:
         raise WasteError(f"{where}: {bad!r} is not a token id (expected integers such as 1,2,3)") from None
 
 
+def _text_args(args: Any) -> bool:
+    return getattr(args, "prompt", None) is not None or getattr(args, "chat", None) is not None
+
+
 def _prompt(args: Any) -> list[int]:
     if args.prompt_ids is not None:
         return parse_ids(args.prompt_ids, "--prompt-ids")
@@ -53,14 +57,17 @@ def cmd_run(args: Any) -> int:
     from waste.engine.model import Model
     from waste.engine.runner import generate
     from waste.engine.sampling import Sampler
+    from waste.engine.text import chat_turn_ids, text_printer
     from waste.engine.trace import TraceRecorder
+    from waste.tokenizer import require_tokenizer
 
     if args.max_new < 0:
         raise WasteError(f"--max-new {args.max_new}: must not be negative")
     if args.read_threads < 1:
         raise WasteError(f"--read-threads {args.read_threads}: must be at least 1")
-    prompt = _prompt(args)
     container = open_container(args.container)
+    tokenizer = require_tokenizer(args.container) if _text_args(args) else None
+    prompt = tokenizer.encode(args.prompt) if getattr(args, "prompt", None) is not None else _prompt(args)
     budget = None if args.expert_cache is None else parse_size(args.expert_cache, "--expert-cache")
     store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.direct_io)
     model = Model(container, store=store, router_weights=args.router_weights)
@@ -68,7 +75,12 @@ def cmd_run(args: Any) -> int:
         session = model.load_session(args.session_in)
         sampler = Sampler.from_state(session.sampler_state) if session.sampler_state else Sampler(
             args.temperature, args.top_p, args.seed)
+        if getattr(args, "chat", None) is not None:
+            prompt = chat_turn_ids(tokenizer, args.chat, continuing=session.position > 0,
+                                   last_token=session.tokens[-1] if session.position else None)
     else:
+        if getattr(args, "chat", None) is not None:
+            prompt = chat_turn_ids(tokenizer, args.chat, continuing=False, last_token=None)
         if not prompt:
             raise WasteError("the prompt is empty: give --prompt-ids or --prompt-file")
         session = model.new_session(capacity=len(prompt) + args.max_new)
@@ -81,8 +93,11 @@ def cmd_run(args: Any) -> int:
         raise WasteError(f"context of {needed} tokens (session {session.position} + prompt {len(prompt)} + "
                          f"--max-new {args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
     recorder = TraceRecorder(cfg.num_layers, cfg.moe_layers, cfg.num_experts_per_token) if args.trace_out else None
+    on_token, finish = text_printer(tokenizer, sys.stdout) if tokenizer else (None, None)
     run = generate(model, session, prompt, args.max_new, sampler, chunk=args.prefill_chunk, observer=recorder,
-                   all_prompt_logits=bool(args.logits_out))
+                   all_prompt_logits=bool(args.logits_out), on_token=on_token)
+    if finish is not None:
+        finish()
     print("generated:", ",".join(str(t) for t in run.generated))
     print(f"prefill: {run.prompt_len} tokens in {run.prefill_seconds:.3f} s ({run.prefill_tps:.1f} tok/s); "
           f"decode: {len(run.generated)} tokens in {run.decode_seconds:.3f} s ({run.decode_tps:.1f} tok/s)")

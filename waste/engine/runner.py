@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +50,7 @@ def generate(
     chunk: int = DEFAULT_PREFILL_CHUNK,
     observer: Observer | None = None,
     all_prompt_logits: bool = True,
+    on_token: Callable[[int], bool] | None = None,
 ) -> RunResult:
     """Prefill `prompt` (may be empty when resuming) then sample `max_new` tokens.
 
@@ -70,6 +71,8 @@ def generate(
         token = sampler(session.last_logits)
         generated.append(token)
         logits.append(model.decode(session, token, observer=observer))
+        if on_token is not None and on_token(token):
+            break
     t2 = time.perf_counter()
     session.sampler_state = sampler.get_state()
     return RunResult(len(prompt), generated, logits, t1 - t0, t2 - t1)
