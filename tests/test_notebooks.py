@@ -67,7 +67,8 @@ def test_all_five_notebooks_are_here() -> None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_follows_the_house_rules(path: Path) -> None:
-    """Committed without outputs; says what it shows first; takes a user's container; ends on checks."""
+    """Committed without outputs; says what it shows first; takes a user's container; ends on checks
+    and a conclusion in words drawn from the numbers it computed."""
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -76,6 +77,8 @@ def test_notebook_follows_the_house_rules(path: Path) -> None:
     assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
     assert any(c.source.startswith("CONTAINER = None") for c in code), "no parameters cell with CONTAINER"
     assert "assert " in code[-1].source, "the last cell must check the numbers shown"
+    assert "conclusion" in code[-1].source.lower() and "display(Markdown(" in code[-1].source, \
+        "the last cell must end with a written conclusion drawn from the numbers"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

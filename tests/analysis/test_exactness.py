@@ -22,9 +22,26 @@ def test_seed_shapes_and_labels():
 
 def test_kernels_agree_with_the_reference_on_small_shapes():
     rows = kda_errors([(7, 2, 8, 8), (20, 3, 16, 8)], seed=1, chunk_size=4)
-    assert len(rows) == 6
+    assert len(rows) == 10
+    assert {r.kernel for r in rows} >= {"kda_decode_step", "kda_decode_step_deferred (engine)"}
     for r in rows:
         assert 0 <= r.output < 1e-5 and 0 <= r.state < 1e-5, r
     table = format_seed_table(rows)
-    assert table.count("| dims | output max\\|diff\\| | state max\\|diff\\| |") == 3
+    assert table.count("| dims | output max\\|diff\\| | state max\\|diff\\| |") == 5
     assert "| T=7, H=2, K=V=8 |" in table and "chunk_kda (chunk 4) against recurrent_kda:" in table
+
+
+def test_decode_steps_follow_the_reference_token_by_token():
+    from waste.analysis.exactness import decode_steps
+    from waste.reference.kda import naive_recurrent_kda
+
+    x = random_kda_inputs(9, 2, 8, 4, seed=5)
+    ref_o, ref_s = naive_recurrent_kda(**x)
+    for deferred in (False, True):
+        o, s = decode_steps(x, deferred=deferred)
+        np.testing.assert_allclose(o, ref_o, atol=1e-6)
+        np.testing.assert_allclose(s, ref_s, atol=1e-6)
+    # A wrong decay would show: the check can fail.
+    bad = dict(x, g=x["g"] * 0.5)
+    o, _ = decode_steps(bad, deferred=True)
+    assert np.abs(o - ref_o).max() > 1e-3

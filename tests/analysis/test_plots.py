@@ -1,7 +1,6 @@
 """Every figure draws, carries a title and labelled axes, and shows the data it was given."""
 
 import numpy as np
-import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from waste.analysis.plots import (
@@ -13,7 +12,6 @@ from waste.analysis.plots import (
     plot_lines,
     plot_stacked_bytes,
     plot_state_curves,
-    plot_token_layer,
 )
 
 
@@ -77,21 +75,6 @@ def test_layer_errors_bars_follow_the_data():
     (ax,) = _render(fig)
     heights = sorted(p.get_height() for p in ax.patches)
     np.testing.assert_allclose(heights, [1e-7, 3e-7, 2e-6])
-
-
-@pytest.mark.parametrize("kind", ["kda", "mla"])
-def test_token_layer_panels(kind):
-    rng = np.random.default_rng(1)
-    norms, kinds = [1.0, 2.0, 3.0], ["kda", "mla", "kda"]
-    extra = (
-        {"state": rng.standard_normal((4, 16, 16)), "decay": rng.random((4, 16)), "beta": rng.random(4)}
-        if kind == "kda" else {"attention": rng.random((4, 7))}
-    )
-    fig = plot_token_layer(norms, kinds, 1, title="t", routing=(np.array([5, 2]), np.array([1.2, 0.8])), **extra)
-    axes = _render(fig)
-    for ax in axes:
-        _labelled(ax)
-    assert len(axes) == (1 + 4 + 1 + 1 + 1 if kind == "kda" else 1 + 1 + 1)
 
 
 def test_bytes_table_rows_and_units():

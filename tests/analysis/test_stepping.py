@@ -7,6 +7,8 @@ from waste.analysis.cache_sim import recorded, simulate
 from waste.analysis.stepping import (
     Stepper,
     notebook_container,
+    notebook_workdir,
+    prompt_ids,
     random_prompt,
     record_trace,
 )
@@ -35,6 +37,25 @@ def test_notebook_container_builds_once_and_accepts_a_path(tmp_path, monkeypatch
         notebook_container(tmp_path)
 
 
+def test_notebook_workdir_is_one_reused_cache_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("WASTE_NOTEBOOK_WORKDIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first, second = notebook_workdir(), notebook_workdir()
+    assert first == second == tmp_path / "cache" / "waste" / "notebooks" and first.is_dir()
+
+
+def test_prompt_box_takes_text_or_ids(tiny):
+    from waste.tokenizer import container_tokenizer
+
+    tok = container_tokenizer(tiny)
+    assert prompt_ids("Hi <|im_end|>", tok, 512) == tok.encode("Hi <|im_end|>")
+    assert prompt_ids("1, 2 3", None, 512) == [1, 2, 3]
+    with pytest.raises(WasteError, match="outside the vocabulary"):
+        prompt_ids("1,600", None, 512)
+    with pytest.raises(WasteError, match="empty"):
+        prompt_ids("", tok, 512)
+
+
 def test_recorded_trace_covers_every_token_and_layer(tiny):
     prompt = random_prompt(512, 20, seed=1)
     trace = record_trace(tiny, prompt, 5, chunk=8, cache_experts=16)
@@ -54,11 +75,12 @@ def test_stepping_matches_a_plain_run_and_the_session(tiny):
         cfg = c.config
         model = Model(c)
         plain = generate(model, model.new_session(16), prompt, 3, Sampler(), chunk=4)
-        stepper = Stepper(model, prompt, chunk=4)
-        records = [stepper.step() for _ in range(3)]
-        # The greedy token after each step is what a plain greedy run generates next.
-        assert [r.token for r in records] == plain.generated
-        assert np.array_equal(records[-1].logits, plain.logits[-1])
+        stepper = Stepper(model, prompt)
+        records = [stepper.feed() for _ in range(len(prompt) + 3)]
+        assert [r.token for r in records] == prompt + plain.generated
+        assert [r.generated for r in records] == [False] * len(prompt) + [True] * 3
+        # Token by token equals a chunked prefill then decode, to float32 rounding.
+        np.testing.assert_allclose(records[-1].logits, plain.logits[-1], rtol=1e-4, atol=1e-4)
         last = records[-1]
         assert last.position == len(prompt) + 2
         for rec in last.layers:
@@ -76,15 +98,37 @@ def test_stepping_matches_a_plain_run_and_the_session(tiny):
             if rec.layer in cfg.moe_layers:
                 assert rec.expert_ids.shape == (cfg.num_experts_per_token,)
                 np.testing.assert_allclose(rec.expert_weights.sum(), cfg.routed_scaling_factor, rtol=1e-5)
-        # Hidden-state norms agree with one prefill over the same tokens.
-        ids = prompt + [r.token for r in records]
+                # The chosen experts are the best by biased score among every expert's score.
+                biased = rec.router_scores + model.ffn[rec.layer].score_bias
+                assert set(rec.expert_ids) == set(np.argsort(-biased)[: cfg.num_experts_per_token])
+        # Hidden-state norms and each layer's update agree with one prefill over the same tokens.
+        ids = [r.token for r in records]
         capture = HiddenCapture(cfg.num_layers, cfg.hidden_size, len(ids), cfg.num_experts_per_token)
         model.prefill(model.new_session(len(ids)), ids, observer=capture)
-        want = np.linalg.norm(capture.hidden[:, -1].astype(np.float64), axis=-1)
-        np.testing.assert_allclose(last.hidden_norms, want, rtol=1e-5)
-        for layer in range(cfg.num_layers):
-            assert last.plot(layer).axes
+        hidden = capture.hidden[:, -1].astype(np.float64)
+        np.testing.assert_allclose(last.hidden_norms, np.linalg.norm(hidden, axis=-1), rtol=1e-5)
+        embedding = model.embed.take_rows(np.array([ids[-1]]))[0].astype(np.float64)
+        inputs = np.concatenate([embedding[None], hidden[:-1]])
+        np.testing.assert_allclose(last.update_norms, np.linalg.norm(hidden - inputs, axis=-1), rtol=1e-4)
+        top = last.top_k(3)
+        assert top[0][0] == last.next_token and top[0][1] >= top[1][1] >= top[2][1]
+
+
+def test_cursor_walks_layers_and_positions(tiny):
+    with open_container(tiny) as c:
+        stepper = Stepper(Model(c), [5, 6])
+        L = stepper.num_layers
+        with pytest.raises(WasteError, match="step forward first"):
+            stepper.current  # noqa: B018
+        stepper.forward()
+        assert (stepper.position, stepper.layer, len(stepper.records)) == (0, 0, 1)
+        for _ in range(L):
+            stepper.forward()
+        assert (stepper.position, stepper.layer, len(stepper.records)) == (1, 0, 2)
+        for _ in range(L + 5):
+            stepper.back()
+        assert (stepper.position, stepper.layer) == (0, 0)
+        stepper.goto(4, L - 1)
+        assert len(stepper.records) == 5 and stepper.records[4].generated
         with pytest.raises(WasteError):
-            stepper.step(cfg.vocab_size)
-        with pytest.raises(WasteError):
-            last.plot(cfg.num_layers)
+            stepper.goto(0, L)

@@ -104,12 +104,13 @@ def sweep(
 
 
 def format_sweep(table: Mapping[str, Mapping[int, SimResult]]) -> str:
-    """Hit rates in percent: one row per capacity, one column per policy."""
+    """Hit rates as fractions of lookups (the hit-rate plots' unit): one row per capacity in
+    experts, one column per policy."""
     policies = list(table)
     caps = sorted({c for p in policies for c in table[p]})
     rows = [f"{'capacity':>9} " + " ".join(f"{p:>8}" for p in policies)]
     for c in caps:
-        cells = [f"{100 * table[p][c].hit_rate:8.2f}" if c in table[p] else f"{'-':>8}" for p in policies]
+        cells = [f"{table[p][c].hit_rate:8.3f}" if c in table[p] else f"{'-':>8}" for p in policies]
         rows.append(f"{c:>9} " + " ".join(cells))
     return "\n".join(rows)
 

@@ -3,7 +3,9 @@
 The seed validated its C decode step against fla's naive recurrence at two shapes
 (FACTS.md): T=24, H=4, K=V=32 and T=64, H=32, K=V=128, reporting the largest absolute
 difference of the output and of the final state. `kda_errors` reproduces that comparison
-for the Numba kernels (recurrent and chunked) against `waste.reference.kda`, and
+for the Numba kernels against `waste.reference.kda`: the decode steps the engine runs per
+generated token (`kda_decode_step`, and `kda_decode_step_deferred`, the one `waste run` uses),
+fed T tokens one at a time, and the prefill kernels (recurrent and chunked); and
 `format_seed_table` prints it the way the seed did.
 
 Inputs follow fla's test convention: q, k, v standard normal, g = logsigmoid(N(0, 1)) per
@@ -55,10 +57,30 @@ def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
 
+def decode_steps(x: dict[str, np.ndarray], *, deferred: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Feed the T tokens of `x` one at a time through the engine's decode step from a zero state;
+    (o [T, H, V], final state [H, K, V])."""
+    from waste.kernels.kda_decode import apply_pending, kda_decode_step, kda_decode_step_deferred
+
+    T, H, K = x["q"].shape
+    V = x["v"].shape[2]
+    state = np.zeros((H, K, V), np.float32)
+    pending_k, pending_d = np.zeros((H, K), np.float32), np.zeros((H, V), np.float32)
+    o = np.empty((T, H, V), np.float32)
+    for t in range(T):
+        args = (x["q"][t], x["k"][t], x["v"][t], x["g"][t], x["beta"][t])
+        o[t] = (kda_decode_step_deferred(*args, state, pending_k, pending_d) if deferred
+                else kda_decode_step(*args, state))
+    if deferred:
+        apply_pending(state, pending_k, pending_d)
+    return o, state
+
+
 def kda_errors(shapes: Sequence[tuple[int, int, int, int]] = SEED_SHAPES, *, seed: int = 0,
                chunk_size: int = 64) -> list[KernelError]:
-    """For each shape: recurrent_kda and chunk_kda against naive_recurrent_kda (float64),
-    and chunk_kda against recurrent_kda, on the same random inputs (fresh per shape)."""
+    """For each shape, on the same random inputs (fresh per shape): the two decode steps,
+    recurrent_kda and chunk_kda against naive_recurrent_kda (float64), and chunk_kda against
+    recurrent_kda."""
     from waste.kernels.kda import recurrent_kda
     from waste.kernels.kda_chunk import chunk_kda
     from waste.reference.kda import naive_recurrent_kda
@@ -67,6 +89,10 @@ def kda_errors(shapes: Sequence[tuple[int, int, int, int]] = SEED_SHAPES, *, see
     for i, shape in enumerate(shapes):
         x = random_kda_inputs(*shape, seed=seed + i)
         ref_o, ref_s = naive_recurrent_kda(**x)
+        for deferred, name in ((False, "kda_decode_step"), (True, "kda_decode_step_deferred (engine)")):
+            o, s = decode_steps(x, deferred=deferred)
+            rows.append(KernelError(name, "naive_recurrent_kda (float64)", shape, _max_abs(o, ref_o),
+                                    _max_abs(s, ref_s)))
         rec_o, rec_s = recurrent_kda(**x)
         chk_o, chk_s = chunk_kda(**x, chunk_size=chunk_size)
         rows += [

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from waste.units import human_bytes, human_count
 
@@ -22,7 +23,7 @@ _PART_COLORS = {
     "expert_cache": "#c5b0d5",
     "free": "#eeeeee",
 }
-_KIND_COLORS = {"kda": "#1f77b4", "mla": "#ff7f0e"}
+KIND_COLORS = {"kda": "#1f77b4", "mla": "#ff7f0e"}
 
 
 def byte_unit(n: float) -> tuple[str, int]:
@@ -194,7 +195,7 @@ def plot_layer_errors(errors: Sequence[float], kinds: Sequence[str], *, toleranc
     e = np.maximum(np.asarray(errors, np.float64), 1e-18)
     for kind in dict.fromkeys(kinds):
         idx = [i for i, k in enumerate(kinds) if k == kind]
-        ax.bar(idx, e[idx], color=_KIND_COLORS.get(kind, "#7f7f7f"), label=kind.upper())
+        ax.bar(idx, e[idx], color=KIND_COLORS.get(kind, "#7f7f7f"), label=kind.upper())
     ax.axhline(tolerance, color="red", linestyle="--", label=f"tolerance {tolerance:.0e}")
     ax.set_yscale("log")
     ax.set_xticks(range(len(kinds)))
@@ -205,88 +206,23 @@ def plot_layer_errors(errors: Sequence[float], kinds: Sequence[str], *, toleranc
     return fig
 
 
-def plot_token_layer(
-    norms: Sequence[float],
-    kinds: Sequence[str],
-    layer: int,
-    *,
-    title: str,
-    state: np.ndarray | None = None,
-    decay: np.ndarray | None = None,
-    beta: np.ndarray | None = None,
-    attention: np.ndarray | None = None,
-    routing: tuple[np.ndarray, np.ndarray] | None = None,
-) -> Figure:
-    """One token at one layer: hidden-state norm of every layer (the chosen one marked);
-    for a KDA layer the state per head [H, K, V] as heatmaps, exp(g) [H, K] as a histogram
-    and beta [H]; for an MLA layer the attention probabilities [H, ctx]; routing
-    (ids [k], weights [k]) when the layer is MoE."""
-    panels = ["norms"]
-    if state is not None:
-        panels += ["state", "decay", "beta"]
-    if attention is not None:
-        panels.append("attention")
-    if routing is not None:
-        panels.append("routing")
-    fig = Figure(figsize=(11, 2.9 * len(panels)), layout="constrained")
-    grids = fig.subfigures(len(panels), 1, squeeze=False)[:, 0]
-    for sub, panel in zip(grids, panels, strict=True):
-        if panel == "norms":
-            ax = sub.subplots()
-            colors = [_KIND_COLORS.get(k, "#7f7f7f") for k in kinds]
-            bars = ax.bar(range(len(norms)), norms, color=colors)
-            bars[layer].set_edgecolor("black")
-            bars[layer].set_linewidth(2.5)
-            ax.set_xticks(range(len(norms)), [f"{i}\n{k}" for i, k in enumerate(kinds)])
-            ax.set_xlabel("layer (0-based) and kind; the selected layer is outlined")
-            ax.set_ylabel("L2 norm of the hidden state (unitless)")
-            ax.set_title("hidden-state norm after each layer")
-        elif panel == "state":
-            s = np.asarray(state)
-            axes = sub.subplots(1, s.shape[0], squeeze=False)[0]
-            lim = float(np.max(np.abs(s))) or 1.0
-            im = None
-            for h, ax in enumerate(axes):
-                im = ax.imshow(s[h], cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
-                ax.set_title(f"head {h}")
-                ax.set_xlabel("V index")
-                ax.set_ylabel("K index")
-            sub.colorbar(im, ax=list(axes), label="state value (unitless)")
-            sub.suptitle(f"KDA state S [K, V] per head after layer {layer}")
-        elif panel == "decay":
-            ax = sub.subplots()
-            d = np.asarray(decay)
-            for h in range(d.shape[0]):
-                ax.hist(d[h], bins=np.linspace(0, 1, 41), histtype="step", label=f"head {h}")
-            ax.set_xlabel("decay exp(g) per K channel (fraction of the state kept)")
-            ax.set_ylabel("count (channels)")
-            ax.set_title("decay exp(g) across the K channels of each head")
-            ax.legend(ncols=4, fontsize="small")
-        elif panel == "beta":
-            ax = sub.subplots()
-            b = np.asarray(beta)
-            ax.bar(range(b.size), b, color="#1f77b4")
-            ax.set_xticks(range(b.size))
-            ax.set_ylim(0, 1)
-            ax.set_xlabel("head")
-            ax.set_ylabel("beta (write strength, 0..1)")
-            ax.set_title("beta per head: how strongly this token overwrites the state")
-        elif panel == "attention":
-            ax = sub.subplots()
-            a = np.asarray(attention)
-            im = ax.imshow(a, aspect="auto", interpolation="nearest", cmap="magma", vmin=0)
-            ax.set_xlabel("context position (tokens, the current token last)")
-            ax.set_ylabel("head")
-            ax.set_title(f"MLA attention probabilities of the current token at layer {layer}")
-            sub.colorbar(im, ax=ax, label="probability")
-        else:
-            ax = sub.subplots()
-            ids, weights = routing  # type: ignore[misc]
-            ax.bar([str(int(i)) for i in ids], weights, color="#9467bd")
-            ax.set_xlabel("routed expert id (rank order)")
-            ax.set_ylabel("routing weight (scaled, unitless)")
-            ax.set_title(f"experts chosen at layer {layer}")
-    fig.suptitle(title)
+def plot_position_errors(errors: Sequence[float], prompt_len: int, *, tolerance: float, title: str) -> Figure:
+    """Relative error per position, log scale: prefill positions and decode positions in two
+    colours, a line at the boundary and the tolerance line."""
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    ax = fig.subplots()
+    e = np.maximum(np.asarray(errors, np.float64), 1e-18)
+    pos = np.arange(e.size)
+    ax.bar(pos[:prompt_len], e[:prompt_len], color="#7f7f7f", label="prefill (chunked)")
+    ax.bar(pos[prompt_len:], e[prompt_len:], color="#2ca02c", label="decode (one token per step)")
+    ax.axvline(prompt_len - 0.5, color="black", linewidth=1)
+    ax.axhline(tolerance, color="red", linestyle="--", label=f"tolerance {tolerance:.0e}")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("position (prompt, then generated)")
+    ax.set_ylabel("worst layer's relative L2 error")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
     return fig
 
 

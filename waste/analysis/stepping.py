@@ -1,28 +1,33 @@
 """Driving the engine from notebooks: the container to work on, a recorded routing trace, and
-stepping one token at a time while collecting what every layer did.
+stepping tokens through the model one layer at a time.
 
-`Stepper` prefills a prompt, then feeds one token per `step()` through `Model.decode` with
-an observer attached. Before each attention layer runs, the observer hands that layer's
-input (the previous layer's output after input_layernorm) and a copy of its session state
-to the layer's `inspect_decode`, which runs the step on that copy and returns the
-intermediates: for KDA the state per head after the token, the decay exp(g) and beta,
-for MLA the attention probabilities over the context. The observer also keeps each layer's
-output hidden-state norm and each MoE layer's routing.
+`Stepper` feeds every token, prompt and generated alike, through `Model.decode` with an
+observer attached, so each position has its own record. Before each attention layer runs,
+the observer hands that layer's input (the previous layer's output after input_layernorm)
+and a copy of its session state to the layer's `inspect_decode`, which runs the step on that
+copy and returns the intermediates: for KDA the state per head after the token, the decay
+exp(g) and beta, for MLA the attention probabilities over the context. From the layer's input
+and output it keeps the norms of the attention's and the FFN's updates to the residual stream,
+and for a MoE layer every expert's router score besides the chosen ones.
 
-Shapes: H heads, K key dim, V value dim, k routed experts per token, ctx context length.
+The stepper's cursor (position, layer) says how far the current token has gone: stepping
+forward moves it one layer on (the next position's first layer after the last layer, a new
+token once the records run out) and back one layer. `state_at(layer)` is that layer's KDA
+state as the cursor sees it: after the current token for layers it has passed, before it for
+the others, so a step of one layer changes one layer's state.
+
+Shapes: H heads, K key dim, V value dim, E experts, k routed per token, ctx context length.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from waste.errors import WasteError
 
@@ -30,9 +35,11 @@ WORKDIR_ENV = "WASTE_NOTEBOOK_WORKDIR"
 
 
 def notebook_workdir() -> Path:
-    """Where notebooks write what they build: $WASTE_NOTEBOOK_WORKDIR, else a new temporary directory."""
+    """Where notebooks write what they build, reused across runs: $WASTE_NOTEBOOK_WORKDIR, else
+    waste/notebooks under $XDG_CACHE_HOME (~/.cache)."""
     env = os.environ.get(WORKDIR_ENV)
-    path = Path(env) if env else Path(tempfile.mkdtemp(prefix="waste-notebook-"))
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = Path(env) if env else cache / "waste" / "notebooks"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -58,8 +65,21 @@ def notebook_container(container: str | os.PathLike[str] | None = None, *, prese
 
 
 def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
-    """`length` token ids drawn uniformly (models with random weights have no tokenizer)."""
+    """`length` token ids drawn uniformly (for containers without a tokenizer)."""
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab_size, length)]
+
+
+def prompt_ids(text: str, tokenizer: Any | None, vocab_size: int) -> list[int]:
+    """A prompt box's ids: the text through the tokenizer, or without one comma/space separated ids."""
+    from waste.engine.cli import parse_ids
+
+    ids = tokenizer.encode(text) if tokenizer is not None else parse_ids(text, "prompt")
+    if not ids:
+        raise WasteError("the prompt is empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise WasteError(f"token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+    return ids
 
 
 def record_trace(container: str | os.PathLike[str], prompt: Sequence[int], max_new: int, *, chunk: int = 32,
@@ -96,25 +116,30 @@ def record_trace(container: str | os.PathLike[str], prompt: Sequence[int], max_n
 
 @dataclass
 class LayerRecord:
-    """What one layer did for one decoded token."""
+    """What one layer did for one token."""
 
     layer: int
     kind: str  # "kda" or "mla"
     hidden_norm: float = float("nan")  # L2 norm of the layer's output hidden state
+    attn_update: float = float("nan")  # L2 norm of what the attention adds to the residual stream
+    ffn_update: float = float("nan")  # L2 norm of what the FFN (dense or MoE) adds
     state: np.ndarray | None = None  # KDA: [H, K, V] recurrent state after the token
     decay: np.ndarray | None = None  # KDA: [H, K] exp(g)
     beta: np.ndarray | None = None  # KDA: [H]
     attention: np.ndarray | None = None  # MLA: [H, ctx] probabilities, the current token last
+    router_scores: np.ndarray | None = None  # MoE: [E] sigmoid scores of every expert
     expert_ids: np.ndarray | None = None  # MoE: [k] rank order
     expert_weights: np.ndarray | None = None  # MoE: [k]
+    update_norm: float = float("nan")  # L2 norm of the layer's whole update (output minus input)
 
 
 @dataclass
 class TokenRecord:
-    """One decode step: the token fed, its position, every layer's record and the logits out."""
+    """One token through every layer: its position, whether it was prompt or generated, the logits out."""
 
     position: int
     token: int
+    generated: bool
     layers: list[LayerRecord]
     logits: np.ndarray = field(repr=False)  # [vocab] float32
 
@@ -128,19 +153,18 @@ class TokenRecord:
         """[L] output hidden-state norm of every layer."""
         return np.array([r.hidden_norm for r in self.layers])
 
-    def plot(self, layer: int) -> Figure:
-        """The step-through figure of this token at `layer` (see plots.plot_token_layer)."""
-        from waste.analysis.plots import plot_token_layer
+    @property
+    def update_norms(self) -> np.ndarray:
+        """[L] norm of each layer's update to the residual stream."""
+        return np.array([r.update_norm for r in self.layers])
 
-        if not 0 <= layer < len(self.layers):
-            raise WasteError(f"layer {layer} is outside 0..{len(self.layers) - 1}")
-        r = self.layers[layer]
-        routing = None if r.expert_ids is None else (r.expert_ids, r.expert_weights)
-        return plot_token_layer(
-            self.hidden_norms, [x.kind for x in self.layers], layer,
-            title=f"token {self.token} at position {self.position}, layer {layer} ({r.kind.upper()})",
-            state=r.state, decay=r.decay, beta=r.beta, attention=r.attention, routing=routing,
-        )
+    def top_k(self, k: int = 5) -> list[tuple[int, float]]:
+        """The k likeliest next tokens with their softmax probabilities, best first."""
+        z = self.logits.astype(np.float64)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        best = np.argsort(-p, kind="stable")[:k]
+        return [(int(i), float(p[i])) for i in best]
 
 
 class _StepObserver:
@@ -148,26 +172,42 @@ class _StepObserver:
 
     def __init__(self, model: Any, session: Any, first_hidden: np.ndarray):
         from waste.engine.model import rms_norm
+        from waste.engine.moe_layer import MoELayer
+        from waste.kernels.moe import router_logits
 
         self.model, self.session, self._rms_norm = model, session, rms_norm
-        kinds = model.config.layer_kinds
-        self.records = [LayerRecord(i, kind) for i, kind in enumerate(kinds)]
+        self._moe, self._router_logits = MoELayer, router_logits
+        self.records = [LayerRecord(i, kind) for i, kind in enumerate(model.config.layer_kinds)]
         self._inspect(0, first_hidden)
 
     def _inspect(self, layer: int, hidden: np.ndarray) -> None:
-        """Run layer's inspect_decode on its input before the layer itself runs."""
-        m, rec = self.model, self.records[layer]
-        x = self._rms_norm(hidden, m.input_norms[layer], m.config.rms_norm_eps)[0]
+        """Run the layer's inspect_decode on its input before the layer itself runs."""
+        m, rec, eps = self.model, self.records[layer], self.model.config.rms_norm_eps
+        x = self._rms_norm(hidden, m.input_norms[layer], eps)[0]
         # inspect_decode may advance the state it is given (KDA's does), so it gets a copy;
         # the real step then runs on the session's own state.
         if rec.kind == "kda":
             out = m.attn[layer].inspect_decode(x, self.session.kda[layer].copy())
             rec.state, rec.decay, rec.beta = out["state"], out["decay"], out["beta"]
         else:
-            rec.attention = m.attn[layer].inspect_decode(x, self.session.mla[layer].copy())["probs"]
+            out = m.attn[layer].inspect_decode(x, self.session.mla[layer].copy())
+            rec.attention = out["probs"]
+        self._input = hidden[0].astype(np.float64)
+        middle = hidden + out["y"][None, :]
+        self._middle = middle[0].astype(np.float64)
+        rec.attn_update = float(np.linalg.norm(out["y"].astype(np.float64)))
+        ffn = m.ffn[layer]
+        if isinstance(ffn, self._moe):
+            x = self._rms_norm(middle, m.post_norms[layer], eps)
+            logits = self._router_logits(x, ffn.router_weight)[0].astype(np.float64)
+            rec.router_scores = 1.0 / (1.0 + np.exp(-logits))
 
     def on_layer(self, layer: int, positions: np.ndarray, hidden: np.ndarray) -> None:
-        self.records[layer].hidden_norm = float(np.linalg.norm(hidden[0].astype(np.float64)))
+        rec = self.records[layer]
+        out = hidden[0].astype(np.float64)
+        rec.hidden_norm = float(np.linalg.norm(out))
+        rec.ffn_update = float(np.linalg.norm(out - self._middle))
+        rec.update_norm = float(np.linalg.norm(out - self._input))
         if layer + 1 < len(self.records):
             self._inspect(layer + 1, hidden)
 
@@ -177,27 +217,75 @@ class _StepObserver:
 
 
 class Stepper:
-    """Prefill a prompt, then decode one token per `step()`, keeping a TokenRecord of each."""
+    """Feeds a prompt, then greedy tokens, one token at a time, with a cursor that moves by layers."""
 
-    def __init__(self, model: Any, prompt: Sequence[int], *, chunk: int = 32):
+    def __init__(self, model: Any, prompt: Sequence[int]):
         if not len(prompt):
             raise WasteError("the prompt is empty: give at least one token id")
         self.model = model
+        self.prompt = [int(t) for t in prompt]
         self.session = model.new_session(capacity=len(prompt) + 64)
-        model.prefill(self.session, prompt, chunk=chunk, all_logits=False)
         self.records: list[TokenRecord] = []
+        self.position, self.layer = -1, -1  # the cursor: nothing fed yet
+        self._zero_states = {i: np.zeros_like(s.recurrent) for i, s in self.session.kda.items()}
 
-    def step(self, token: int | None = None) -> TokenRecord:
-        """Feed `token` (default: the greedy choice after what came before) through every layer."""
-        if token is None:
-            token = int(np.argmax(self.session.last_logits))
-        if not 0 <= token < self.model.config.vocab_size:
-            raise WasteError(f"token id {token} is outside the vocabulary 0..{self.model.config.vocab_size - 1}")
-        position = self.session.position
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_layers
+
+    def feed(self) -> TokenRecord:
+        """Run the next token (the next prompt token, else the greedy choice) through every layer."""
+        position = len(self.records)
+        generated = position >= len(self.prompt)
+        token = int(np.argmax(self.session.last_logits)) if generated else self.prompt[position]
         self.session.ensure_capacity(position + 1)
         first = self.model.embed.take_rows(np.array([token], np.int64))
         observer = _StepObserver(self.model, self.session, first)
         logits = self.model.decode(self.session, token, observer=observer)
-        record = TokenRecord(position, int(token), observer.records, logits.copy())
+        record = TokenRecord(position, token, generated, observer.records, logits.copy())
         self.records.append(record)
         return record
+
+    def forward(self) -> None:
+        """Move the cursor one layer on (feeding a new token when it passes the last record)."""
+        if 0 <= self.layer < self.num_layers - 1:
+            self.layer += 1
+            return
+        if self.position + 1 == len(self.records):
+            self.feed()
+        self.position, self.layer = self.position + 1, 0
+
+    def back(self) -> None:
+        """Move the cursor one layer back (to the previous position's last layer from layer 0)."""
+        if self.layer > 0:
+            self.layer -= 1
+        elif self.position > 0:
+            self.position, self.layer = self.position - 1, self.num_layers - 1
+
+    def goto(self, position: int, layer: int) -> None:
+        """Put the cursor at (position, layer), feeding tokens up to `position` as needed."""
+        if position < 0 or not 0 <= layer < self.num_layers:
+            raise WasteError(f"cursor ({position}, {layer}) is outside positions >= 0, layers 0..{self.num_layers - 1}")
+        while len(self.records) <= position:
+            self.feed()
+        self.position, self.layer = position, layer
+
+    @property
+    def current(self) -> TokenRecord:
+        if self.position < 0:
+            raise WasteError("no token has been fed yet: step forward first")
+        return self.records[self.position]
+
+    def state_before(self, layer: int) -> np.ndarray:
+        """KDA state [H, K, V] of `layer` before the cursor's token passed through it."""
+        if self.position <= 0:
+            return self._zero_states[layer]
+        return self.records[self.position - 1].layers[layer].state  # type: ignore[return-value]
+
+    def state_after(self, layer: int) -> np.ndarray:
+        """KDA state [H, K, V] of `layer` after the cursor's token passed through it."""
+        return self.current.layers[layer].state  # type: ignore[return-value]
+
+    def state_at(self, layer: int) -> np.ndarray:
+        """KDA state of `layer` as the cursor sees it: after the token for layers already passed."""
+        return self.state_after(layer) if layer <= self.layer else self.state_before(layer)

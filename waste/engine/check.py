@@ -71,6 +71,7 @@ class CheckReport:
     greedy_disagreements: list[int] = field(default_factory=list)  # positions with a clear margin that disagree
     routing_forced: bool = False
     routing_agreement: float = 1.0  # fraction of (token, MoE layer) where both chose the same expert set
+    position_errors: list[float] = field(default_factory=list)  # per position: worst layer's relative L2 error
 
     @property
     def passed(self) -> bool:
@@ -121,6 +122,9 @@ def check_against_oracle(
     agreement = [np.mean(np.all(np.sort(capture.routing[layer], axis=1) == np.sort(own, axis=1), axis=1))
                  for layer, own in ref.routing.items()]
     layer_errors = [relative_l2(capture.hidden[i], ref.hidden_states[i + 1]) for i in range(cfg.num_layers)]
+    want = np.stack([np.asarray(ref.hidden_states[i + 1], np.float64) for i in range(cfg.num_layers)])  # [L, T, D]
+    by_position = (np.linalg.norm(capture.hidden.astype(np.float64) - want, axis=-1)
+                   / np.maximum(np.linalg.norm(want, axis=-1), 1e-300)).max(axis=0)
     ref_logits = ref.logits
     # A position's greedy choice is only well defined when its top-2 margin exceeds what an
     # error within tolerance could move: each logit by at most tol * ||row||, a margin by twice that.
@@ -142,4 +146,5 @@ def check_against_oracle(
         greedy_disagreements=[int(p) for p in np.flatnonzero(required & ~agree)],
         routing_forced=force,
         routing_agreement=float(np.mean(agreement)) if agreement else 1.0,
+        position_errors=[float(e) for e in by_position],
     )

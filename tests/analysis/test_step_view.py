@@ -1,0 +1,107 @@
+"""The step_through controls driven as a user would: buttons, head and layer pickers."""
+
+import numpy as np
+import pytest
+
+from waste.analysis.step_view import StepThrough, layer_view, step_conclusion
+from waste.testing import tiny_container
+from waste.tokenizer import container_tokenizer
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    path = tiny_container(tmp_path_factory, quant="f32")
+    return StepThrough([str(path)], "Hi there", steps_ahead=2)
+
+
+def test_load_feeds_prompt_text_and_generated_tokens(app):
+    tok = container_tokenizer(app.container_box.value)
+    s = app.stepper
+    assert s.prompt == tok.encode("Hi there")
+    assert len(s.records) == len(s.prompt) + 2 and [r.generated for r in s.records[-3:]] == [False, True, True]
+    assert (s.position, s.layer) == (0, 0) and app.view.layer == 0
+    assert app.figure is not None and "Hi there" not in app.status.value  # the status names the container
+
+
+def test_one_layer_step_changes_only_that_layer(app):
+    cfg = app.stepper.model.config
+    app.goto(3, 0)
+    for _ in range(2 * cfg.num_layers):
+        before = {i: app.stepper.state_at(i).copy() for i in cfg.kda_layers}
+        where = (app.stepper.position, app.stepper.layer)
+        app.forward()
+        s = app.stepper
+        assert (s.position, s.layer) == ((where[0], where[1] + 1) if where[1] + 1 < cfg.num_layers
+                                         else (where[0] + 1, 0))
+        changed = [i for i in cfg.kda_layers if not np.array_equal(s.state_at(i), before[i])]
+        # At a new position every layer the cursor is behind shows its state before the new token,
+        # which is its state after the old one: unchanged. Only the layer just passed moves.
+        assert changed == ([s.layer] if s.layer in cfg.kda_layers else [])
+        assert app.view.layer == s.layer and app.layer_slider.value == s.layer
+        if app.view.kind == "kda":
+            np.testing.assert_array_equal(app.view.difference, app.view.after - app.view.before)
+            assert np.abs(app.view.difference).max() > 0
+
+
+def test_back_undoes_forward(app):
+    app.goto(4, 2)
+    shown = app.view.after.copy() if app.view.kind == "kda" else app.view.attention.copy()
+    app.forward()
+    app.back()
+    assert (app.stepper.position, app.stepper.layer) == (4, 2)
+    again = app.view.after if app.view.kind == "kda" else app.view.attention
+    np.testing.assert_array_equal(again, shown)
+    app.goto(1, 0)
+    app.back()
+    assert (app.stepper.position, app.stepper.layer) == (0, app.stepper.num_layers - 1)
+
+
+def test_head_and_layer_pickers_change_the_view(app):
+    cfg = app.stepper.model.config
+    layer = cfg.kda_layers[0]
+    app.layer_slider.value = layer
+    assert app.stepper.layer == layer and app.view.kind == "kda"
+    app.head_slider.value = 0
+    first = app.view.after.copy()
+    app.head_slider.value = 2
+    assert app.view.head == 2
+    np.testing.assert_array_equal(app.view.after, app.stepper.state_after(layer)[2])
+    assert not np.array_equal(app.view.after, first)
+    mla = cfg.mla_layers[0]
+    app.layer_slider.value = mla
+    view = app.view
+    assert view.kind == "mla" and view.attention.shape == (app.stepper.position + 1,)
+    np.testing.assert_allclose(view.attention.sum(), 1.0, rtol=1e-5)
+
+
+def test_token_buttons_keep_the_layer_and_generate_past_the_end(app):
+    s = app.stepper
+    app.goto(len(s.records) - 1, 1)
+    fed = len(s.records)
+    app.next_token()
+    assert (s.position, s.layer) == (fed, 1) and len(s.records) == fed + 1 and s.records[-1].generated
+    app.prev_token()
+    assert (s.position, s.layer) == (fed - 1, 1)
+
+
+def test_router_view_shows_every_expert(app):
+    cfg = app.stepper.model.config
+    app.layer_slider.value = cfg.moe_layers[0]
+    view = layer_view(app.stepper, 0)
+    assert view.router_scores.shape == (cfg.num_experts,)
+    assert ((view.router_scores > 0) & (view.router_scores < 1)).all()
+    assert set(view.expert_ids) <= set(range(cfg.num_experts))
+    np.testing.assert_allclose(view.expert_weights.sum(), cfg.routed_scaling_factor, rtol=1e-5)
+
+
+def test_buttons_are_enabled_after_work_and_conclusion_quotes_numbers(app):
+    assert not any(b.disabled for b in app.buttons)
+    text = step_conclusion(app.stepper)
+    assert text.startswith("**Conclusion.**") and f"{len(app.stepper.records)} positions" in text
+
+
+def test_update_norms_add_up(app):
+    for r in app.stepper.records:
+        for x in r.layers:
+            assert x.update_norm <= x.attn_update + x.ffn_update + 1e-9
+            assert x.update_norm > 0
