@@ -6,7 +6,7 @@ step, the ratio to NumPy copying that layer's state once (target <= 2.0x) and th
 a straightforward vectorised NumPy step (target >= 10x), all timed in the same run, with the
 configured Numba threads and with one thread. Prefill (T = 4096, H = 32): tokens/s of
 `recurrent_kda` (head-major) and `chunk_kda`, plus a sweep over T that shows where (if anywhere)
-the chunked form wins; `waste.kernels.kda.CHUNK_PREFILL_MIN_TOKENS` encodes that crossover.
+the chunked form wins; `waste.kernels.kda_chunk.CHUNK_PREFILL_MIN_TOKENS` encodes that crossover.
 Also: max |diff| against the float64 oracle at the issue's shapes, and the packed FMA
 instructions in each hot kernel's machine code. Timings are the best of interleaved rounds
 (the machine is shared). Prints tables, writes bench/results/kda.json, asserts nothing.
@@ -134,7 +134,7 @@ def bench_prefill(rng: np.random.Generator, rounds: int, sweep: tuple[int, ...])
         best = best_times(fns, rounds if T < PREFILL_T else max(2, rounds // 2), min_round_s=0.2)
         rows.append({"T": T, "H": PREFILL_H, **{f"{n}_tok_s": T / s for n, s in best.items()}})
     chunk_wins = [r["T"] for r in rows if max(r["chunk64_tok_s"], r["chunk16_tok_s"]) > r["recurrent_tok_s"]]
-    return {"sweep": rows, "chunk_wins_at_T": chunk_wins, "CHUNK_PREFILL_MIN_TOKENS": kk.CHUNK_PREFILL_MIN_TOKENS}
+    return {"sweep": rows, "chunk_wins_at_T": chunk_wins, "CHUNK_PREFILL_MIN_TOKENS": kc.CHUNK_PREFILL_MIN_TOKENS}
 
 
 def accuracy(rng: np.random.Generator) -> list[dict[str, Any]]:
@@ -211,7 +211,7 @@ def main() -> None:
                        [[f"T={r['T']}", r["recurrent_tok_s"], r["chunk64_tok_s"], r["chunk16_tok_s"]]
                         for r in prefill["sweep"]], floats=".0f"))
     print(f"chunked form faster at T = {prefill['chunk_wins_at_T'] or 'none'}; "
-          f"CHUNK_PREFILL_MIN_TOKENS = {kk.CHUNK_PREFILL_MIN_TOKENS}\n")
+          f"CHUNK_PREFILL_MIN_TOKENS = {kc.CHUNK_PREFILL_MIN_TOKENS}\n")
 
     acc = accuracy(rng)
     print(format_table(["accuracy vs float64", "kernel", "output max|diff|", "state max|diff|"],

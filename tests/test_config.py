@@ -71,6 +71,8 @@ def _broken(mutate):
         (lambda d: d.pop("linear_attn_config"), "'linear_attn_config' is missing"),
         (lambda d: d.update(rms_norm_eps=10**400), "'rms_norm_eps': expected a finite number"),
         (lambda d: d.update(num_hidden_layers=10**9), "'num_hidden_layers': 1000000000 is more than"),
+        (lambda d: d.update(mla_use_nope=False), "'mla_use_nope': waste implements NoPE MLA only"),
+        (lambda d: d.pop("mla_use_nope"), "'mla_use_nope': waste implements NoPE MLA only"),
     ],
 )
 def test_bad_config_names_the_key(mutate, message):

@@ -1,26 +1,54 @@
-"""The conda environment and the pip metadata declare the same dependencies."""
+"""The conda environment and the pip metadata declare the same dependencies at the same versions."""
 
-import re
 import tomllib
 from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _names(requirements):
-    return {re.split(r"[<>=!~ ]", r, maxsplit=1)[0].strip().lower().replace("_", "-") for r in requirements}
+def _specifiers(requirements: list[str]) -> dict[str, SpecifierSet]:
+    """Normalised name -> version specifier of each requirement line ("numpy>=1.26")."""
+    out = {}
+    for line in requirements:
+        req = Requirement(line)
+        out[req.name.lower().replace("_", "-")] = req.specifier
+    return out
+
+
+def _pyproject() -> dict[str, SpecifierSet]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = _specifiers(project["dependencies"] + project["optional-dependencies"]["dev"])
+    specs["python"] = SpecifierSet(project["requires-python"])
+    return specs
+
+
+def _environment_yml() -> dict[str, SpecifierSet]:
+    lines = [line.strip()[2:] for line in (ROOT / "environment.yml").read_text().splitlines()
+             if line.strip().startswith("- ") and not line.strip().startswith("- conda-forge")]
+    specs = _specifiers(lines)
+    specs.pop("pip", None)  # conda's own pip, not a dependency of waste
+    return specs
+
+
+def _drift(a: dict[str, SpecifierSet], b: dict[str, SpecifierSet]) -> list[str]:
+    names = sorted(set(a) | set(b))
+    return [f"{n}: pyproject {a.get(n, 'absent')} / environment.yml {b.get(n, 'absent')}"
+            for n in names if a.get(n) != b.get(n)]
 
 
 def test_environment_yml_matches_pyproject():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pip_names = _names(project["dependencies"] + project["optional-dependencies"]["dev"])
-    conda_lines = [
-        line.strip()[2:] for line in (ROOT / "environment.yml").read_text().splitlines()
-        if line.strip().startswith("- ") and not line.strip().startswith("- conda-forge")
-    ]
-    conda_names = _names(conda_lines) - {"python", "pip"}
-    only_conda, only_pip = sorted(conda_names - pip_names), sorted(pip_names - conda_names)
-    assert conda_names == pip_names, f"only in environment.yml: {only_conda}; only in pyproject: {only_pip}"
+    drift = _drift(_pyproject(), _environment_yml())
+    assert not drift, "pyproject.toml and environment.yml disagree: " + "; ".join(drift)
+
+
+@pytest.mark.parametrize("other", [["numpy>=2.0"], ["numpy"], ["numpy>=1.26,<3"], []])
+def test_drift_is_caught(other):
+    # Any change of a version, a missing bound or a missing package is drift.
+    assert _drift(_specifiers(["numpy>=1.26"]), _specifiers(other))
 
 
 def test_design_card_top_level_exists():

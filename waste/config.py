@@ -236,6 +236,12 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
     if hidden_act not in ("silu", "situ"):
         raise ConfigError(f"config key 'hidden_act': expected 'silu' or 'situ', got {hidden_act!r}")
     max_pos = c.int("max_position_embeddings") if c.has("max_position_embeddings") else c.int("model_max_length")
+    use_nope = c.bool("mla_use_nope", False)
+    if "mla" in kinds and not use_nope:
+        # Kimi's MLA layers carry no position encoding (FACTS.md); the engine and the oracle
+        # implement only that, so a RoPE config would run wrongly rather than fail.
+        raise ConfigError("config key 'mla_use_nope': waste implements NoPE MLA only (mla_use_nope: true); "
+                          "this config asks for rotary position embeddings in its MLA layers")
     return ModelConfig(
         model_type=model_type,
         hidden_size=c.int("hidden_size"),
@@ -256,7 +262,7 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         qk_nope_head_dim=c.int("qk_nope_head_dim"),
         qk_rope_head_dim=c.int("qk_rope_head_dim", minimum=0),
         v_head_dim=c.int("v_head_dim"),
-        mla_use_nope=c.bool("mla_use_nope", False),
+        mla_use_nope=use_nope,
         mla_output_gate=c.bool("mla_use_output_gate", False),
         kv_layernorm_eps=1e-6,
         intermediate_size=c.int("intermediate_size"),

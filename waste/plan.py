@@ -3,7 +3,7 @@
 Attention-side state comes from the config (it is a property of the shape); weight
 bytes come from the container's manifest when the target is a container, and otherwise
 from the expected tensor table (`waste.container.format.expected_tensors`) priced with the
-storage formats' own buffer layouts (`waste.kernels.quant.buffer_layout`), so the figures
+storage formats' own buffer layouts (`waste.qformat.buffer_layout`), so the figures
 follow the code that writes containers rather than a separate formula.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from waste.config import PRESETS, ModelConfig, load_config_file, load_preset
 from waste.errors import WasteError
+from waste.qformat import buffer_layout
 from waste.units import human_bytes, human_count, parse_count, parse_size
 
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2}
@@ -25,8 +26,6 @@ SCHEMES = ("bf16", "f32", "q8", "q4")
 DEFAULT_SCHEME = "q4"
 def matrix_bytes(fmt: str, shape: tuple[int, int]) -> int:
     """Bytes one matrix takes in a storage format, read off the format's buffer layout."""
-    from waste.kernels.quant import buffer_layout
-
     return sum(int(np.prod(bshape)) * np.dtype(dtype).itemsize for _, dtype, bshape in buffer_layout(fmt, shape))
 
 

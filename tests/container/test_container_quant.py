@@ -8,17 +8,18 @@ import pytest
 from waste.container import open_container
 from waste.container.format import EXPERT_PARTS, expert_name, is_matrix
 from waste.kernels import quant as qk
+from waste.qformat import GROUP, QMAX
 from waste.testing import load_checkpoint, tiny_checkpoint, tiny_container
 
 
 def within_format_error(got: np.ndarray, ref: np.ndarray, fmt: str) -> None:
     """Per group of 32 along K: q8g within half a step, q4g within one step (its clipped +8)."""
     n, k = ref.shape
-    pad = -k % qk.GROUP
-    ref64 = np.pad(ref.astype(np.float64), ((0, 0), (0, pad))).reshape(n, -1, qk.GROUP)
-    err = np.abs(np.pad(got.astype(np.float64), ((0, 0), (0, pad))).reshape(n, -1, qk.GROUP) - ref64)
+    pad = -k % GROUP
+    ref64 = np.pad(ref.astype(np.float64), ((0, 0), (0, pad))).reshape(n, -1, GROUP)
+    err = np.abs(np.pad(got.astype(np.float64), ((0, 0), (0, pad))).reshape(n, -1, GROUP) - ref64)
     # The float16 group scale is within 2^-11 of amax / QMAX (the statement of tests/kernels/test_quant.py).
-    step = np.abs(ref64).max(axis=-1, keepdims=True) / qk.QMAX[fmt] * (1 + 2.0**-10)
+    step = np.abs(ref64).max(axis=-1, keepdims=True) / QMAX[fmt] * (1 + 2.0**-10)
     assert np.all(err <= (0.5 if fmt == "q8g" else 1.0) * step)
 
 

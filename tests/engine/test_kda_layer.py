@@ -12,6 +12,7 @@ import copy
 
 import numpy as np
 import pytest
+from conftest import assert_close
 
 from waste.config import ModelConfig, load_preset, parse_config, preset_dict
 from waste.engine.kda_layer import KDALayer, KDAState
@@ -62,11 +63,6 @@ def _k3_like(preset: str) -> ModelConfig:
     return parse_config(d)
 
 
-def _close(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    assert np.all(np.isfinite(a)), what
-    err = float(np.max(np.abs(a - b)))
-    assert err <= RTOL * float(np.max(np.abs(b))), f"{what}: max abs error {err:.3g} vs scale {np.max(np.abs(b)):.3g}"
-
 
 @pytest.mark.parametrize("preset", ["kimi-linear-48b-a3b", "k3-like-tiny"])
 def test_layer_prefill_then_decode_matches_reference(preset: str) -> None:
@@ -79,15 +75,15 @@ def test_layer_prefill_then_decode_matches_reference(preset: str) -> None:
     state = layer.new_state()
     y = np.concatenate([layer.prefill(x[:T1], state)] + [layer.decode(x[t], state)[None] for t in range(T1, T1 + T2)])
     y_ref, s_ref, conv_ref = naive_kda_layer(x, w, cfg)
-    _close(y, y_ref, "y")
-    _close(state.recurrent, s_ref, "recurrent state")
-    _close(state.conv, conv_ref, "conv rings")
+    assert_close(y, y_ref, RTOL, "y")
+    assert_close(state.recurrent, s_ref, RTOL, "recurrent state")
+    assert_close(state.conv, conv_ref, RTOL, "conv rings")
     # a further chunk continues from the carried state and rings
     x2 = rng.standard_normal((3, cfg.hidden_size), dtype=np.float32)
     y2_ref, s2_ref, conv2_ref = naive_kda_layer(x2, w, cfg, initial_state=s_ref, conv_state=conv_ref)
-    _close(layer.prefill(x2, state), y2_ref, "y after the carried state")
-    _close(state.recurrent, s2_ref, "recurrent state after the second chunk")
-    _close(state.conv, conv2_ref, "conv rings after the second chunk")
+    assert_close(layer.prefill(x2, state), y2_ref, RTOL, "y after the carried state")
+    assert_close(state.recurrent, s2_ref, RTOL, "recurrent state after the second chunk")
+    assert_close(state.conv, conv2_ref, RTOL, "conv rings after the second chunk")
 
 
 def test_prefill_then_decode_equals_one_prefill_and_state_helpers() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import assert_close
 
 from waste.config import ModelConfig, parse_config, preset_dict
 from waste.engine.mla_layer import MLACache, MLALayer
@@ -60,11 +61,6 @@ def _layer(cfg: ModelConfig, w: dict[str, np.ndarray], fmt: str = "f32") -> MLAL
     return MLALayer.from_weights(cfg, get_matrix, get_tensor, PREFIX)
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> None:
-    assert np.all(np.isfinite(a))
-    err = np.max(np.abs(a - b))
-    assert err <= RTOL * np.max(np.abs(b)), f"max abs error {err:.3g} vs scale {np.max(np.abs(b)):.3g}"
-
 
 def _f64(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float64) for k, v in w.items()}
@@ -81,7 +77,7 @@ def test_prefill_then_decode_matches_reference(variant: str) -> None:
     want = naive_mla_layer(x, _f64(w), cfg)
 
     one = layer.new_cache(T)
-    _close(layer.prefill(x, one), want)
+    assert_close(layer.prefill(x, one), want, RTOL)
     assert one.length == T
 
     # Uneven chunks, then token-by-token decode, must reproduce the one-shot sequence.
@@ -89,10 +85,10 @@ def test_prefill_then_decode_matches_reference(variant: str) -> None:
     cache.latent[:] = np.nan  # rows not yet written must never be read
     parts = [layer.prefill(x[0:5], cache), layer.prefill(x[5:6], cache), layer.prefill(x[6:12], cache)]
     parts += [layer.decode(x[t], cache)[None] for t in range(12, T)]
-    _close(np.concatenate(parts), want)
+    assert_close(np.concatenate(parts), want, RTOL)
     assert cache.length == T
     # Same rows up to float32 rounding (BLAS blocks a 1-row product differently from a 17-row one).
-    _close(cache.latent[:T], one.latent[:T])
+    assert_close(cache.latent[:T], one.latent[:T], RTOL)
 
 
 def test_cache_rows_are_normalised_latent_plus_rope() -> None:
@@ -106,8 +102,8 @@ def test_cache_rows_are_normalised_latent_plus_rope() -> None:
     R = cfg.kv_lora_rank
     ckv = x.astype(np.float64) @ w["kv_a_proj_with_mqa"].T.astype(np.float64)
     c = ckv[:, :R] / np.sqrt(np.mean(ckv[:, :R] ** 2, axis=1, keepdims=True) + 1e-6) * w["kv_a_layernorm"]
-    _close(cache.latent[:4, :R], c)
-    _close(cache.latent[:4, R:], ckv[:, R:])
+    assert_close(cache.latent[:4, :R], c, RTOL)
+    assert_close(cache.latent[:4, R:], ckv[:, R:], RTOL)
     assert cache.latent.shape == (8, cfg.mla_latent_size)
     assert cache.nbytes == 4 * cfg.mla_latent_size * 4
 
@@ -139,7 +135,7 @@ def test_decode_probabilities_match_reference() -> None:
         q, full.latent[:9], wf["kv_b_proj"], start=8, kv_rank=cfg.kv_lora_rank, nope=cfg.qk_nope_head_dim,
         v_dim=cfg.v_head_dim, scale=(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5,
     )
-    _close(seen["probs"], probs[0])
+    assert_close(seen["probs"], probs[0], RTOL)
 
 
 def test_capacity_overflow_names_the_capacity() -> None:
@@ -186,4 +182,4 @@ def test_bf16_weights_match_reference_on_their_values() -> None:
     # The oracle reads what the bf16 matrices stand for; vectors stay float32.
     wq = {k: quantize(v, "bf16").dequantize() if v.ndim == 2 else v for k, v in w.items()}
     x = rng.standard_normal((6, cfg.hidden_size)).astype(np.float32)
-    _close(layer.prefill(x, layer.new_cache(6)), naive_mla_layer(x, _f64(wq), cfg))
+    assert_close(layer.prefill(x, layer.new_cache(6)), naive_mla_layer(x, _f64(wq), cfg), RTOL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import assert_close
 
 from waste.config import ModelConfig, parse_config, preset_dict
 from waste.engine.moe_layer import DenseFFN, MoELayer
@@ -80,11 +81,6 @@ def _reference(cfg: ModelConfig, arrays, store: FakeStore, x: np.ndarray, router
     )
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> None:
-    assert np.all(np.isfinite(a))
-    err = np.max(np.abs(a - b))
-    assert err <= RTOL * np.max(np.abs(b)), f"max abs error {err:.3g} vs scale {np.max(np.abs(b)):.3g}"
-
 
 @pytest.mark.parametrize("router_weights", ["unbiased", "biased"])
 def test_forward_matches_reference_and_fetches_each_expert_once(router_weights: str) -> None:
@@ -95,7 +91,7 @@ def test_forward_matches_reference_and_fetches_each_expert_once(router_weights: 
     x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
     y, info = layer.forward(x, store)
     want, ids, weights = _reference(cfg, arrays, store, x, router_weights)
-    _close(y, want)
+    assert_close(y, want, RTOL)
     np.testing.assert_array_equal(info.ids, ids)
     np.testing.assert_allclose(info.weights, weights, rtol=1e-6)
     assert info.ids.dtype == np.int64 and info.weights.dtype == np.float32
@@ -128,7 +124,7 @@ def test_tokens_are_independent() -> None:
     y, _ = layer.forward(x, store)
     for t in (0, 5, 11):
         yt, info = layer.forward(x[t : t + 1], store)
-        _close(yt[0], y[t])
+        assert_close(yt[0], y[t], RTOL)
         assert info.dedup_ratio == 1.0
 
 
@@ -139,7 +135,7 @@ def test_without_shared_experts() -> None:
     assert layer.shared is None
     x = rng.standard_normal((5, cfg.hidden_size)).astype(np.float32)
     y, _ = layer.forward(x, store)
-    _close(y, _reference(cfg, arrays, store, x)[0])
+    assert_close(y, _reference(cfg, arrays, store, x)[0], RTOL)
 
 
 def test_dense_ffn_matches_reference() -> None:
@@ -152,7 +148,7 @@ def test_dense_ffn_matches_reference() -> None:
     x = rng.standard_normal((7, d)).astype(np.float32)
     want = swiglu(x, *(arrays[f"model.layers.0.mlp.{n}_proj.weight"].astype(np.float64)
                        for n in ("gate", "up", "down")))
-    _close(ffn.forward(x), want)
+    assert_close(ffn.forward(x), want, RTOL)
     arrays["model.layers.0.mlp.up_proj.weight"] = _random(rng, (inner, d + 1))
     with pytest.raises(WasteError, match="up_proj"):
         DenseFFN.from_weights(cfg, lambda n: quantize(arrays[n], "f32"), arrays.__getitem__, "model.layers.0.mlp.")

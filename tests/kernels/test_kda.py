@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import max_abs_diff
 
 from waste.errors import WasteError
 from waste.jit import kernel
 from waste.kernels import kda as kk
 from waste.kernels import kda_decode as kd
 from waste.kernels import short_conv as sc
+from waste.kernels.fastmath import fexp
+from waste.kernels.kda_chunk import prefill_kda
 from waste.reference import kda as ref
 from waste.testing import kda_inputs
 
@@ -27,12 +30,8 @@ ATOL = 1e-6
 @kernel
 def _exp_all(x, out):
     for i in range(x.size):
-        out[i] = kk.fexp(x[i])
+        out[i] = fexp(x[i])
 
-
-def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
-    assert np.all(np.isfinite(a))
-    return float(np.max(np.abs(a.astype(np.float64) - b)))
 
 
 def test_fexp_accuracy() -> None:
@@ -131,16 +130,16 @@ def test_recurrent_and_decode_match_reference(T: int, H: int, Kd: int, record_pr
     q, k, v, g, beta, s0 = kda_inputs(rng, T, H, Kd, Kd)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = kk.recurrent_kda(q, k, v, g, beta, initial_state=s0)
-    err_o, err_s = _maxdiff(o, o_ref), _maxdiff(s, s_ref)
+    err_o, err_s = max_abs_diff(o, o_ref), max_abs_diff(s, s_ref)
     record_property("recurrent_max_diff", (err_o, err_s))
     assert err_o <= ATOL and err_s <= ATOL, (err_o, err_s)
     state = s0.copy()
     o_dec = np.stack([kd.kda_decode_step(q[t], k[t], v[t], g[t], beta[t], state) for t in range(T)])
-    err_o, err_s = _maxdiff(o_dec, o_ref), _maxdiff(state, s_ref)
+    err_o, err_s = max_abs_diff(o_dec, o_ref), max_abs_diff(state, s_ref)
     record_property("decode_max_diff", (err_o, err_s))
     assert err_o <= ATOL and err_s <= ATOL, (err_o, err_s)
     o_def, state = _deferred_decode(q, k, v, g, beta, s0)
-    err_o, err_s = _maxdiff(o_def, o_ref), _maxdiff(state, s_ref)
+    err_o, err_s = max_abs_diff(o_def, o_ref), max_abs_diff(state, s_ref)
     record_property("deferred_decode_max_diff", (err_o, err_s))
     assert err_o <= ATOL and err_s <= ATOL, (err_o, err_s)
 
@@ -168,7 +167,7 @@ def test_deferred_decode_any_head_size(Kd: int, V: int) -> None:
     q, k, v, g, beta, s0 = kda_inputs(rng, 11, 3, Kd, V)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = _deferred_decode(q, k, v, g, beta, s0)
-    assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(s, s_ref) <= ATOL
+    assert max_abs_diff(o, o_ref) <= ATOL and max_abs_diff(s, s_ref) <= ATOL
 
 
 @pytest.mark.parametrize("Kd", [32, 7])
@@ -189,16 +188,16 @@ def test_kernels_write_every_output() -> None:
     state = s0.copy()
     kk._recurrent_kernel(q, k, v, g, beta, Kd**-0.5, True, state, o)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
-    assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(state, s_ref) <= ATOL
+    assert max_abs_diff(o, o_ref) <= ATOL and max_abs_diff(state, s_ref) <= ATOL
     o1 = np.full((H, V), np.nan, np.float32)
     state = s0.copy()
     kd._decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, o1)
-    assert _maxdiff(o1, o_ref[0]) <= ATOL
+    assert max_abs_diff(o1, o_ref[0]) <= ATOL
     o1[:] = np.nan
     state = s0.copy()
     pk, pd = np.zeros((H, Kd), np.float32), np.zeros((H, V), np.float32)
     kd._deferred_decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, pk, pd, o1)
-    assert _maxdiff(o1, o_ref[0]) <= ATOL
+    assert max_abs_diff(o1, o_ref[0]) <= ATOL
     y = np.full((T, H * Kd), np.nan, np.float32)
     sc._conv_seq_kernel(q.reshape(T, -1), np.ones((4, H * Kd), np.float32), np.zeros((3, H * Kd), np.float32), y)
     assert np.all(np.isfinite(y))
@@ -211,13 +210,13 @@ def test_options_scale_and_no_l2norm() -> None:
     for kw in ({"scale": 0.3}, {"l2norm_qk": False}):
         o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, **kw)
         o, s = kk.recurrent_kda(q, k, v, g, beta, initial_state=s0, **kw)
-        assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(s, s_ref) <= ATOL
+        assert max_abs_diff(o, o_ref) <= ATOL and max_abs_diff(s, s_ref) <= ATOL
         state = s0.copy()
         o1 = kd.kda_decode_step(q[0], k[0], v[0], g[0], beta[0], state, **kw)
         o1_ref = ref.naive_recurrent_kda(q[:1], k[:1], v[:1], g[:1], beta[:1], initial_state=s0, **kw)[0][0]
-        assert _maxdiff(o1, o1_ref) <= ATOL
+        assert max_abs_diff(o1, o1_ref) <= ATOL
         o_def, s_def = _deferred_decode(q, k, v, g, beta, s0, **kw)
-        assert _maxdiff(o_def, o_ref) <= ATOL and _maxdiff(s_def, s_ref) <= ATOL
+        assert max_abs_diff(o_def, o_ref) <= ATOL and max_abs_diff(s_def, s_ref) <= ATOL
 
 
 @pytest.mark.parametrize("variant", ["lower_bound", "softplus"])
@@ -233,15 +232,15 @@ def test_recurrent_strong_decays(variant: str) -> None:
     q, k, v, g, beta, s0 = kda_inputs(rng, T, H, Kd, Kd, g)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = kk.recurrent_kda(q, k, v, g, beta, initial_state=s0)
-    assert _maxdiff(o, o_ref) <= 1e-5 and _maxdiff(s, s_ref) <= 1e-5
+    assert max_abs_diff(o, o_ref) <= 1e-5 and max_abs_diff(s, s_ref) <= 1e-5
 
 
 def test_prefill_kda_and_bad_shapes() -> None:
     rng = np.random.default_rng(17)
     q, k, v, g, beta, s0 = kda_inputs(rng, 7, 2, 8, 8)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
-    o, s = kk.prefill_kda(q, k, v, g, beta, initial_state=s0)
-    assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(s, s_ref) <= ATOL
+    o, s = prefill_kda(q, k, v, g, beta, initial_state=s0)
+    assert max_abs_diff(o, o_ref) <= ATOL and max_abs_diff(s, s_ref) <= ATOL
     with pytest.raises(WasteError):
         kk.recurrent_kda(q, k, v, g[:, :1], beta)
     with pytest.raises(WasteError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import max_abs_diff
 
 from waste.errors import WasteError
 from waste.kernels.kda import kda_gate_lower_bound, kda_gate_softplus, recurrent_kda
@@ -20,10 +21,6 @@ from waste.testing import kda_inputs
 ATOL = 1e-6
 
 
-def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
-    assert np.all(np.isfinite(a))
-    return float(np.max(np.abs(a.astype(np.float64) - b)))
-
 
 @pytest.mark.parametrize("chunk", [16, 64])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
@@ -32,7 +29,7 @@ def test_chunk_equals_recurrent(T: int, chunk: int) -> None:
     q, k, v, g, beta, s0 = kda_inputs(rng, T, 3, 32, 24)
     o_r, s_r = recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o_c, s_c = chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
-    assert _maxdiff(o_c, o_r) <= ATOL and _maxdiff(s_c, s_r) <= ATOL
+    assert max_abs_diff(o_c, o_r) <= ATOL and max_abs_diff(s_c, s_r) <= ATOL
 
 
 def test_chunk_real_shape_against_reference(record_property) -> None:
@@ -40,7 +37,7 @@ def test_chunk_real_shape_against_reference(record_property) -> None:
     q, k, v, g, beta, s0 = kda_inputs(rng, 64, 32, 128, 128)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0)
-    err_o, err_s = _maxdiff(o, o_ref), _maxdiff(s, s_ref)
+    err_o, err_s = max_abs_diff(o, o_ref), max_abs_diff(s, s_ref)
     record_property("chunk_max_diff", (err_o, err_s))
     assert err_o <= ATOL and err_s <= ATOL, (err_o, err_s)
 
@@ -60,7 +57,7 @@ def test_chunk_strong_decays(variant: str, chunk: int) -> None:
     q, k, v, g, beta, s0 = kda_inputs(rng, T, H, Kd, Kd, g)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
-    assert _maxdiff(o, o_ref) <= 1e-5 and _maxdiff(s, s_ref) <= 1e-5
+    assert max_abs_diff(o, o_ref) <= 1e-5 and max_abs_diff(s, s_ref) <= 1e-5
 
 
 def test_prefill_then_decode_equals_one_pass() -> None:
@@ -71,7 +68,7 @@ def test_prefill_then_decode_equals_one_pass() -> None:
     o1, state = chunk_kda(q[:T1], k[:T1], v[:T1], g[:T1], beta[:T1], initial_state=s0)
     o2 = [kda_decode_step(q[t], k[t], v[t], g[t], beta[t], state) for t in range(T1, T1 + T2)]
     o = np.concatenate([o1, np.stack(o2)])
-    assert _maxdiff(o, o_all) <= ATOL and _maxdiff(state, s_all) <= ATOL
+    assert max_abs_diff(o, o_all) <= ATOL and max_abs_diff(state, s_all) <= ATOL
 
 
 def test_chunk_kernel_writes_every_output() -> None:
@@ -82,7 +79,7 @@ def test_chunk_kernel_writes_every_output() -> None:
     state = s0.copy()
     _chunk_kernel(q, k, v, g, beta, Kd**-0.5, True, 16, state, o)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
-    assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(state, s_ref) <= ATOL
+    assert max_abs_diff(o, o_ref) <= ATOL and max_abs_diff(state, s_ref) <= ATOL
 
 
 def test_chunk_options_and_errors() -> None:
@@ -90,6 +87,6 @@ def test_chunk_options_and_errors() -> None:
     q, k, v, g, beta, s0 = kda_inputs(rng, 20, 2, 8, 8)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, scale=0.25)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, scale=0.25, chunk_size=7)
-    assert _maxdiff(o, o_ref) <= ATOL and _maxdiff(s, s_ref) <= ATOL
+    assert max_abs_diff(o, o_ref) <= ATOL and max_abs_diff(s, s_ref) <= ATOL
     with pytest.raises(WasteError):
         chunk_kda(q, k, v, g, beta, chunk_size=0)

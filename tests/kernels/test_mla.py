@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import assert_close
 
 from waste.errors import WasteError
 from waste.kernels.mla import mla_decode, mla_prefill
@@ -18,11 +19,6 @@ from waste.reference.mla import mla_attention
 RTOL = 1e-5
 H, NOPE, ROPE, V, R = 3, 16, 8, 12, 32
 
-
-def _close(a: np.ndarray, b: np.ndarray, rtol: float = RTOL) -> None:
-    assert np.all(np.isfinite(a))
-    err = np.max(np.abs(a - b))
-    assert err <= rtol * np.max(np.abs(b)), f"max abs error {err:.3g} vs scale {np.max(np.abs(b)):.3g}"
 
 
 def _problem(rng: np.random.Generator, n: int, capacity: int):
@@ -52,8 +48,8 @@ def test_decode_matches_non_absorbed(n: int) -> None:
     assert o_lat is out and p is probs
     o = np.einsum("hr,hvr->hv", o_lat.astype(np.float64), w_uv.astype(np.float64))
     ref_o, ref_p = mla_attention(q, latent, kv_b, start=n - 1, kv_rank=R, nope=NOPE, v_dim=V, scale=scale)
-    _close(o, ref_o[0])
-    _close(p, ref_p[0])
+    assert_close(o, ref_o[0], RTOL)
+    assert_close(p, ref_p[0], RTOL)
     np.testing.assert_allclose(p.sum(axis=1), 1.0, rtol=1e-5)
 
 
@@ -69,7 +65,7 @@ def test_prefill_matches_non_absorbed(start: int, T: int) -> None:
     assert o_lat is out
     o = np.einsum("thr,hvr->thv", o_lat.astype(np.float64), w_uv.astype(np.float64))
     ref_o, _ = mla_attention(q, latent, kv_b, start=start, kv_rank=R, nope=NOPE, v_dim=V, scale=scale)
-    _close(o, ref_o)
+    assert_close(o, ref_o, RTOL)
 
 
 def test_prefill_last_row_equals_decode() -> None:
@@ -79,7 +75,7 @@ def test_prefill_last_row_equals_decode() -> None:
     q_abs = _absorb(rng.standard_normal((4, H, NOPE + ROPE)).astype(np.float32), w_uk)
     chunk = mla_prefill(q_abs, latent, n - 4, 0.2, R)
     one, _ = mla_decode(q_abs[-1], latent, n, 0.2, R)
-    _close(one, chunk[-1])
+    assert_close(one, chunk[-1], RTOL)
 
 
 def test_large_scores_stay_finite() -> None:
@@ -118,5 +114,5 @@ def test_decode_head_groups(heads: int) -> None:
     s = 0.2 * q.astype(np.float64) @ latent[:n].astype(np.float64).T
     ref_p = np.exp(s - s.max(axis=1, keepdims=True))
     ref_p /= ref_p.sum(axis=1, keepdims=True)
-    _close(p, ref_p)
-    _close(o, ref_p @ latent[:n, :R].astype(np.float64))
+    assert_close(p, ref_p, RTOL)
+    assert_close(o, ref_p @ latent[:n, :R].astype(np.float64), RTOL)

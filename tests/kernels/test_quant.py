@@ -18,26 +18,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import max_rel_err
 
 from waste.errors import WasteError
 from waste.jit import kernel
 from waste.kernels import quant as qk
-from waste.kernels.quant import FORMATS, QMatrix, buffer_layout, from_buffers, quantize
+from waste.kernels.quant import QMatrix, from_buffers, quantize
+from waste.qformat import FORMATS, QMAX, bits_per_weight, buffer_layout
 from waste.reference import quant as ref
 
 QFORMATS = ("q8g", "q4g")
 SNR_BOUND_DB = {"f32": 120.0, "bf16": 53.0, "q8g": 40.0, "q4g": 20.0}
 
 
-def _rel(fast: np.ndarray, exact: np.ndarray) -> float:
-    return float(np.abs(fast - exact).max() / max(np.abs(exact).max(), 1e-300))
-
 
 def test_buffer_layout_padding_and_bits_per_weight() -> None:
-    assert qk.bits_per_weight("f32", (4096, 2304)) == 32.0
-    assert qk.bits_per_weight("bf16", (4096, 2304)) == 16.0
-    assert abs(qk.bits_per_weight("q8g", (4096, 2304)) - 8.5) < 1e-4
-    assert abs(qk.bits_per_weight("q4g", (4096, 2304)) - 4.5) < 1e-4
+    assert bits_per_weight("f32", (4096, 2304)) == 32.0
+    assert bits_per_weight("bf16", (4096, 2304)) == 16.0
+    assert abs(bits_per_weight("q8g", (4096, 2304)) - 8.5) < 1e-4
+    assert abs(bits_per_weight("q4g", (4096, 2304)) - 4.5) < 1e-4
     # N pads to 16 rows and K to 32 inputs inside the format; the logical shape stays.
     layout = {name: (dt, s) for name, dt, s in buffer_layout("q4g", (4, 16))}
     assert layout == {"qs": (np.dtype(np.uint8), (1, 1, 256)), "scales": (np.dtype(np.float16), (1, 1, 16)),
@@ -113,12 +112,12 @@ def test_quantised_product_matches_reference(fmt: str, N: int, K: int, T: int) -
     Y = m.matmul(X)
     exact = ref.reference_matmul(m, X)
     assert Y.shape == (T, N) and Y.dtype == np.float32 and Y.flags.c_contiguous
-    assert _rel(Y, exact) <= 1e-6
+    assert max_rel_err(Y, exact) <= 1e-6
     for t in range(T):
         y = m.matvec(X[t])
         # One token and a chunk run the same per-token arithmetic: bit-identical.
         np.testing.assert_array_equal(y, Y[t])
-        assert _rel(y, ref.reference_matvec(m, X[t])) <= 1e-6
+        assert max_rel_err(y, ref.reference_matvec(m, X[t])) <= 1e-6
 
 
 @pytest.mark.parametrize("fmt", ("f32", "bf16"))
@@ -127,9 +126,9 @@ def test_unquantised_product_matches_reference(fmt: str) -> None:
     w = rng.standard_normal((37, 320)).astype(np.float32)
     X = rng.standard_normal((5, 320)).astype(np.float32)
     m = quantize(w, fmt)
-    assert _rel(m.matmul(X), ref.reference_matmul(m, X)) <= 1e-5
-    assert _rel(m.matvec(X[2]), ref.reference_matvec(m, X[2])) <= 1e-5
-    assert _rel(m.matmul(X[:1]), ref.reference_matmul(m, X[:1])) <= 1e-5
+    assert max_rel_err(m.matmul(X), ref.reference_matmul(m, X)) <= 1e-5
+    assert max_rel_err(m.matvec(X[2]), ref.reference_matvec(m, X[2])) <= 1e-5
+    assert max_rel_err(m.matmul(X[:1]), ref.reference_matmul(m, X[:1])) <= 1e-5
 
 
 def _generic_driver():
@@ -201,7 +200,7 @@ def test_rounding_error_within_half_a_step(fmt: str) -> None:
     amax = np.abs(w.astype(np.float64)).reshape(48, 3, 32).max(axis=-1, keepdims=True)
     # The float16 scale is within 2^-11 of amax/127; q4g's opposite-sign extreme clips to +7,
     # a full step away, every other weight is within half a step.
-    step = amax / qk.QMAX[fmt] * (1 + 2.0**-10)
+    step = amax / QMAX[fmt] * (1 + 2.0**-10)
     assert np.all(err <= (0.5 if fmt == "q8g" else 1.0) * step)
     if fmt == "q4g":
         assert np.mean(err <= 0.5 * step) > 0.99
@@ -233,7 +232,7 @@ def test_extreme_values(fmt: str) -> None:
     # All equal: every weight of a group sits on the grid's extreme.
     m = quantize(np.full((5, 70), -0.37, np.float32), fmt)
     np.testing.assert_allclose(m.dequantize(), -0.37, rtol=2.0**-10)
-    assert _rel(m.matvec(x), ref.reference_matvec(m, x)) <= 1e-6
+    assert max_rel_err(m.matvec(x), ref.reference_matvec(m, x)) <= 1e-6
     # One outlier: its group's other weights round on the outlier's step; others are unaffected.
     w = (0.01 * rng.standard_normal((5, 70))).astype(np.float32)
     w[2, 40] = 1000.0
@@ -241,7 +240,7 @@ def test_extreme_values(fmt: str) -> None:
     dq = m.dequantize()
     assert dq[2, 40] == pytest.approx(1000.0, rel=2.0**-10)
     np.testing.assert_allclose(dq[[0, 1, 3, 4]], w[[0, 1, 3, 4]], atol=0.01 * (0.03 if fmt == "q8g" else 0.4))
-    assert _rel(m.matvec(x), ref.reference_matvec(m, x)) <= 1e-6
+    assert max_rel_err(m.matvec(x), ref.reference_matvec(m, x)) <= 1e-6
     # All zero: exact zeros.
     z = quantize(np.zeros((3, 40), np.float32), fmt)
     assert not z.matvec(x[:40]).any() and not z.dequantize().any()

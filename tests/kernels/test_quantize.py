@@ -10,7 +10,8 @@ import pytest
 from waste.errors import WasteError
 from waste.jit import kernel
 from waste.kernels import quantize as qz
-from waste.kernels.quant import QMAX, QMatrix, quantize
+from waste.kernels.quant import QMatrix, quantize
+from waste.qformat import QMAX
 from waste.reference import quant as ref
 
 QFORMATS = ("q8g", "q4g")

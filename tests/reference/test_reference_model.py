@@ -11,62 +11,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import FakeContainer, max_rel_err
 
 from waste.config import ModelConfig, parse_config
-from waste.container.format import a_log_shape, expected_expert_tensors, expected_tensors
 from waste.container.reader import open_container
 from waste.engine.mla_layer import MLALayer
 from waste.engine.moe_layer import DenseFFN, MoELayer
 from waste.errors import WasteError
-from waste.kernels.quant import QMatrix, quantize
+from waste.kernels.quant import QMatrix
 from waste.reference.model import ReferenceModel
 from waste.testing import tiny_config, tiny_container
 
 RTOL = 1e-5
 ALL_MLA = {"linear_attn_config": {"kda_layers": [], "full_attn_layers": [1, 2, 3, 4, 5]}}
-
-
-class FakeContainer:
-    """The container interface (.config, .tensor, .matrix, .expert, .has) over random float32 weights."""
-
-    def __init__(self, cfg: ModelConfig, seed: int = 0, fmt: str = "f32"):
-        rng = np.random.default_rng(seed)
-        self.config = cfg
-        self.fmt = fmt
-        self.arrays: dict[str, np.ndarray] = {}
-        for name, shape in expected_tensors(cfg).items():
-            if name.endswith("A_log"):
-                a = np.zeros(a_log_shape(cfg)).reshape(-1)
-                a[: cfg.kda_num_heads] = np.log(rng.uniform(1, 16, cfg.kda_num_heads))
-                value = a.reshape(a_log_shape(cfg))
-            elif "norm" in name:
-                value = 1 + 0.1 * rng.standard_normal(shape)
-            elif len(shape) == 2:
-                value = rng.standard_normal(shape) / np.sqrt(shape[1])
-            else:
-                value = 0.5 * rng.standard_normal(shape)
-            self.arrays[name] = value.astype(np.float32)
-        self.experts = {
-            (layer, e): tuple(
-                (rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32)
-                for s in expected_expert_tensors(cfg).values()
-            )
-            for layer in cfg.moe_layers
-            for e in range(cfg.num_experts)
-        }
-
-    def has(self, name: str) -> bool:
-        return name in self.arrays
-
-    def tensor(self, name: str) -> np.ndarray:
-        return self.arrays[name]
-
-    def matrix(self, name: str) -> QMatrix:
-        return quantize(self.arrays[name], self.fmt)
-
-    def expert(self, layer: int, e: int) -> tuple[QMatrix, QMatrix, QMatrix]:
-        w1, w3, w2 = self.experts[layer, e]
-        return quantize(w1, self.fmt), quantize(w3, self.fmt), quantize(w2, self.fmt)
 
 
 class Store:
@@ -84,9 +41,6 @@ def _cfg(**overrides) -> ModelConfig:
 def _ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
 
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -121,9 +75,9 @@ def test_matches_engine_layers_composed_by_hand(q_lora: int | None) -> None:
             y, info = MoELayer.from_weights(cfg, c.matrix, c.tensor, p + "block_sparse_moe.", i).forward(x, store)
             np.testing.assert_array_equal(info.ids, ref.routing[i])
             h = h + y
-        assert _rel(h, ref.hidden_states[i + 1]) <= RTOL, f"layer {i}"
+        assert max_rel_err(h, ref.hidden_states[i + 1]) <= RTOL, f"layer {i}"
     logits = _rms(h, c.arrays["model.norm.weight"], eps) @ c.arrays["lm_head.weight"].T
-    assert _rel(logits, ref.logits) <= RTOL
+    assert max_rel_err(logits, ref.logits) <= RTOL
     assert sorted(ref.routing) == cfg.moe_layers
 
 
@@ -208,9 +162,9 @@ def test_runs_on_tiny_containers(tmp_path_factory, name: str) -> None:
         p = f"model.layers.{layer}."
         x = np.random.default_rng(7).standard_normal((9, cfg.hidden_size)).astype(np.float32)
         attn = MLALayer.from_weights(cfg, c.matrix, c.tensor, p + "self_attn.")
-        assert _rel(attn.prefill(x, attn.new_cache(9)), oracle.mla(layer, x.astype(np.float64))) <= RTOL
+        assert max_rel_err(attn.prefill(x, attn.new_cache(9)), oracle.mla(layer, x.astype(np.float64))) <= RTOL
         moe = MoELayer.from_weights(cfg, c.matrix, c.tensor, p + "block_sparse_moe.", layer)
         y, info = moe.forward(x, Store(c))
         ref_y, ref_ids = oracle.ffn(layer, x.astype(np.float64))
         np.testing.assert_array_equal(info.ids, ref_ids)
-        assert _rel(y, ref_y) <= RTOL
+        assert max_rel_err(y, ref_y) <= RTOL

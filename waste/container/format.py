@@ -25,7 +25,7 @@ import numpy as np
 
 from waste.config import ModelConfig, parse_config
 from waste.errors import WasteError
-from waste.kernels.quant import GROUP, buffer_layout
+from waste.qformat import GROUP, buffer_layout
 
 MAGIC = "WASTE-CONTAINER"
 FORMAT_VERSION = 1

@@ -26,8 +26,8 @@ from waste.kernels.kda import (
     gated_rmsnorm,
     kda_gate_lower_bound,
     kda_gate_softplus,
-    prefill_kda,
 )
+from waste.kernels.kda_chunk import prefill_kda
 from waste.kernels.kda_decode import apply_pending, kda_decode_step_deferred
 from waste.kernels.quant import QMatrix, matmul_pair
 from waste.kernels.short_conv import conv_taps, short_conv_silu, short_conv_silu_step

@@ -1,7 +1,8 @@
 """Kimi Delta Attention (KDA) kernels: gates, gated RMSNorm, recurrence.
 
 The short convolution in front of q, k and v is in `waste.kernels.short_conv`, the decode
-step in `waste.kernels.kda_decode`, the chunked form in `waste.kernels.kda_chunk`.
+step in `waste.kernels.kda_decode`, the chunked form and `prefill_kda` in
+`waste.kernels.kda_chunk`, the float32 exp / sigmoid / softplus in `waste.kernels.fastmath`.
 
 Semantics (FACTS.md): per token and head, with q, k L2-normalised (eps 1e-6 inside the
 root) and q scaled by K^-0.5 after the norm,
@@ -19,84 +20,15 @@ packed SIMD; `fexp` is a vectorisable float32 exp (Numba's math.exp is a scalar 
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
+from waste.kernels.fastmath import fexp, fsigmoid, fsoftplus
 
 L2_EPS = 1e-6
-SOFTPLUS_LINEAR_ABOVE = 20.0
-# The recurrence is faster than the chunked form at every length measured on this AVX-512
-# machine (T = 16 .. 4096, H = 32: 1.4-2x, bench/kda.py, docs/KDA.md), so prefill_kda never
-# switches to chunk_kda; a token count here would make it switch from that length on.
-CHUNK_PREFILL_MIN_TOKENS: int | None = None
 # recurrent_kda prepares the normalised q, k, decays and block coefficients of this many
 # tokens of one head at once (about 10 x 64 x K floats, in L2); a multiple of 4.
 SEQ_TILE_T = 64
-
-
-@intrinsic
-def _f32_from_bits(typingctx, bits):
-    """Reinterpret int32 bits as float32 (a bitcast, so loops around it still vectorise)."""
-    sig = types.float32(types.int32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-_EXP_LO = np.float32(-87.33654)
-_EXP_HI = np.float32(88.37626)
-
-
-@kernel
-def fexp(x):
-    """exp(x) in float32 to about 1 ulp; 0 below -87.3, NaN stays NaN. Vectorises, unlike math.exp."""
-    xc = min(max(x, _EXP_LO), _EXP_HI)
-    # np.floor keeps float32 (math.floor would return an int64 and drag the rest into float64)
-    n = np.floor(xc * np.float32(1.442695041) + np.float32(0.5))
-    # Cody-Waite split of ln 2 keeps r exact; the polynomial is the cephes expf minimax fit.
-    r = xc - n * np.float32(0.693359375)
-    r = r - n * np.float32(-2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1.0)
-    e = p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
-    e = np.float32(0.0) if x < _EXP_LO else e
-    return e if x == x else x
-
-
-@kernel
-def fsigmoid(x):
-    """1 / (1 + exp(-x)) in float32, vectorisable."""
-    return np.float32(1.0) / (np.float32(1.0) + fexp(-x))
-
-
-@kernel
-def fsoftplus(x):
-    """log(1 + exp(x)) in float32, x itself above 20 (as the reference kernels), vectorisable."""
-    y = fexp(-abs(x))
-    # log1p(y) = 2 atanh(s) with s = y / (2 + y) <= 1/3: the odd series converges by 1/9 a term.
-    s = y / (np.float32(2.0) + y)
-    s2 = s * s
-    p = np.float32(1.0 / 17.0)
-    p = p * s2 + np.float32(1.0 / 15.0)
-    p = p * s2 + np.float32(1.0 / 13.0)
-    p = p * s2 + np.float32(1.0 / 11.0)
-    p = p * s2 + np.float32(1.0 / 9.0)
-    p = p * s2 + np.float32(1.0 / 7.0)
-    p = p * s2 + np.float32(1.0 / 5.0)
-    p = p * s2 + np.float32(1.0 / 3.0)
-    p = p * s2 + np.float32(1.0)
-    sp = max(x, np.float32(0.0)) + np.float32(2.0) * s * p
-    return x if x > np.float32(SOFTPLUS_LINEAR_ABOVE) else sp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,13 +371,3 @@ def recurrent_kda(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, be
     _recurrent_kernel(q, k, v, g, beta, kda_scale(scale, q.shape[2]), bool(l2norm_qk), state, o)
     return o, state
 
-
-def prefill_kda(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, *,
-                scale: float | None = None, initial_state: np.ndarray | None = None,
-                l2norm_qk: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """KDA over a prompt by whichever of `recurrent_kda` / `chunk_kda` is faster at this length."""
-    if CHUNK_PREFILL_MIN_TOKENS is not None and np.shape(q)[0] >= CHUNK_PREFILL_MIN_TOKENS:
-        from waste.kernels.kda_chunk import chunk_kda
-
-        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, l2norm_qk=l2norm_qk)
-    return recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, l2norm_qk=l2norm_qk)

@@ -18,7 +18,8 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
-from waste.kernels.kda import fexp, kda_scale, normalise_token
+from waste.kernels.fastmath import fexp
+from waste.kernels.kda import kda_scale, normalise_token
 
 
 @kernel

@@ -11,6 +11,10 @@ Formats (byte layouts, bits per weight and the measurements behind them: docs/QU
 - "q8g": int8 codes in [-127, 127], one float16 scale per group of 32 along K (8.5 bits).
 - "q4g": 4-bit codes 0..15 standing for (code - 8), one float16 scale per group (4.5 bits).
 
+The formats' constants and buffer layouts are in `waste.qformat` (no Numba, so the container
+and the planner read them without compiling kernels); the q8g / q4g quantiser is in
+`waste.kernels.quantize`.
+
 The q formats pad K to a multiple of 32 and N to a multiple of 16, and interleave 16 rows so
 that one group of one 16-row block is a run of 64-byte chunks, each holding 4 consecutive K
 codes for each of the 16 rows: the layout of AVX-512 VNNI's `vpdpbusd` (64 unsigned bytes
@@ -28,7 +32,6 @@ Shapes: x [K], X [T, K], y [N], Y [T, N].
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -39,19 +42,11 @@ from numba.extending import intrinsic
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
+from waste.kernels.quantize import quantize_grouped
+from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout
 
-FORMATS = ("f32", "bf16", "q8g", "q4g")
-
-GROUP = 32  # weights (and activations) sharing one scale, along K
-ROWS = 16  # output rows interleaved in one block: 16 int32 lanes of a 512-bit vector
 TOKEN_TILE = 4  # tokens that share one pass over a weight block in qmatmul
 CHUNK = 64  # bytes per vpdpbusd operand: 16 rows x 4 codes
-BLOCK_BYTES = {"q8g": GROUP * ROWS, "q4g": GROUP * ROWS // 2}  # one group of one block
-CODE_OFFSET = {"q8g": 128, "q4g": 8}  # the kernels read codes as unsigned bytes (q8g: code + 128)
-QMAX = {"q8g": 127, "q4g": 8}  # |code - offset| that the group's largest weight maps to
-# The largest group scale divided by tscale lies in [2**14, 2**15): float16 normals span
-# 2**-14 .. 65504, so every group within 2**28 of the largest keeps a full 11-bit scale.
-SCALE_EXPONENT = 14
 # Software prefetch distance in the code stream (a few groups ahead). Measured on the lm_head
 # (codes in DRAM) it helped q4g by 10-40% and was neutral in L3 (docs/QUANT.md).
 PREFETCH_BYTES = 2048
@@ -168,34 +163,6 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     return Ya, Yb
 
 
-def padded_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    """(row blocks NB, groups G) of a q-format matrix: N padded to 16 rows, K to 32 inputs."""
-    n, k = shape
-    return -(-n // ROWS), -(-k // GROUP)
-
-
-def buffer_layout(fmt: str, shape: tuple[int, int]) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
-    """Names, dtypes and shapes of the buffers a matrix of this format and shape holds."""
-    n, k = shape
-    if fmt == "f32":
-        return [("w", np.dtype(np.float32), (n, k))]
-    if fmt == "bf16":
-        return [("w", np.dtype(np.uint16), (n, k))]
-    if fmt in ("q8g", "q4g"):
-        nb, g = padded_shape(shape)
-        code = np.int8 if fmt == "q8g" else np.uint8
-        return [("qs", np.dtype(code), (nb, g, BLOCK_BYTES[fmt])),
-                ("scales", np.dtype(np.float16), (nb, g, ROWS)),
-                ("tscale", np.dtype(np.float32), (1,))]
-    raise WasteError(f"unknown weight format {fmt!r}; expected one of {', '.join(FORMATS)}")
-
-
-def bits_per_weight(fmt: str, shape: tuple[int, int]) -> float:
-    """Stored bits per logical weight, padding and the per-matrix scale included."""
-    total = sum(math.prod(s) * dt.itemsize for _, dt, s in buffer_layout(fmt, shape))
-    return 8.0 * total / max(1, shape[0] * shape[1])
-
-
 def quantize(w: np.ndarray, fmt: str) -> QMatrix:
     """Store a float weight matrix [N, K] in format `fmt` (q formats: finite weights only)."""
     w = np.asarray(w)
@@ -209,9 +176,6 @@ def quantize(w: np.ndarray, fmt: str) -> QMatrix:
         return QMatrix(fmt, shape, {"w": bits})
     if fmt not in ("q8g", "q4g"):
         raise WasteError(f"unknown weight format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    # (imported here: the quantiser module builds on this one's layout and constants)
-    from waste.kernels.quantize import quantize_grouped
-
     return QMatrix(fmt, shape, quantize_grouped(w, fmt))
 
 

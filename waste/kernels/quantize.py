@@ -14,7 +14,7 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
-from waste.kernels.quant import CODE_OFFSET, GROUP, QMAX, ROWS, SCALE_EXPONENT, buffer_layout
+from waste.qformat import CODE_OFFSET, GROUP, QMAX, ROWS, SCALE_EXPONENT, buffer_layout
 
 QUANTIZE_BLOCKS = 256  # row blocks quantised at once (bounds copies of other dtypes or layouts)
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
-from waste.kernels.kda import fsigmoid
+from waste.kernels.fastmath import fsigmoid
 
 
 def conv_taps(w: np.ndarray) -> np.ndarray:

@@ -1,0 +1,51 @@
+"""The weight storage formats' constants and buffer layouts (what `waste.kernels.quant.QMatrix`
+holds), in plain NumPy so the container, the planner and the quantiser share them without
+importing the product kernels. Byte layouts and their reasons: docs/QUANT.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from waste.errors import WasteError
+
+FORMATS = ("f32", "bf16", "q8g", "q4g")
+
+GROUP = 32  # weights (and activations) sharing one scale, along K
+ROWS = 16  # output rows interleaved in one block: 16 int32 lanes of a 512-bit vector
+BLOCK_BYTES = {"q8g": GROUP * ROWS, "q4g": GROUP * ROWS // 2}  # one group of one block
+CODE_OFFSET = {"q8g": 128, "q4g": 8}  # the kernels read codes as unsigned bytes (q8g: code + 128)
+QMAX = {"q8g": 127, "q4g": 8}  # |code - offset| that the group's largest weight maps to
+# The largest group scale divided by tscale lies in [2**14, 2**15): float16 normals span
+# 2**-14 .. 65504, so every group within 2**28 of the largest keeps a full 11-bit scale.
+SCALE_EXPONENT = 14
+
+
+def padded_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    """(row blocks NB, groups G) of a q-format matrix: N padded to 16 rows, K to 32 inputs."""
+    n, k = shape
+    return -(-n // ROWS), -(-k // GROUP)
+
+
+def buffer_layout(fmt: str, shape: tuple[int, int]) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """Names, dtypes and shapes of the buffers a matrix of this format and shape holds."""
+    n, k = shape
+    if fmt == "f32":
+        return [("w", np.dtype(np.float32), (n, k))]
+    if fmt == "bf16":
+        return [("w", np.dtype(np.uint16), (n, k))]
+    if fmt in ("q8g", "q4g"):
+        nb, g = padded_shape(shape)
+        code = np.int8 if fmt == "q8g" else np.uint8
+        return [("qs", np.dtype(code), (nb, g, BLOCK_BYTES[fmt])),
+                ("scales", np.dtype(np.float16), (nb, g, ROWS)),
+                ("tscale", np.dtype(np.float32), (1,))]
+    raise WasteError(f"unknown weight format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def bits_per_weight(fmt: str, shape: tuple[int, int]) -> float:
+    """Stored bits per logical weight, padding and the per-matrix scale included."""
+    total = sum(math.prod(s) * dt.itemsize for _, dt, s in buffer_layout(fmt, shape))
+    return 8.0 * total / max(1, shape[0] * shape[1])
