@@ -5,7 +5,7 @@ import pytest
 
 from waste.cli import main
 from waste.container.reader import open_container
-from waste.engine.check import check_against_oracle
+from waste.engine.check import check_against_oracle, clear_margin, scheme_tolerance
 from waste.engine.model import Model
 from waste.engine.runner import generate
 from waste.engine.sampling import Sampler
@@ -38,7 +38,8 @@ def test_engine_matches_oracle_per_layer(containers, variant):
         report = check_against_oracle(c, _prompt(80, c.config.vocab_size), 6)
     assert max(report.layer_errors) <= 1e-5, report.format()
     assert report.logits_error <= 1e-5, report.format()
-    assert report.greedy_required > 0 and not report.greedy_disagreements, report.format()
+    assert report.greedy_clear > 0 and not report.greedy_disagreements, report.format()
+    assert report.greedy_clear_agree == report.greedy_clear <= report.greedy_agree <= len(report.ids)
 
 
 def test_prefill_chunk_sizes_agree(containers):
@@ -117,6 +118,8 @@ def test_quantised_check_follows_the_engine_routing(tmp_path):
     with open_container(path) as c:
         report = check_against_oracle(c, _prompt(40, c.config.vocab_size, seed=4), 4)
     assert report.routing_forced and report.passed, report.format()
+    assert report.tolerance == scheme_tolerance("q4", c.config.num_layers)
+    assert report.greedy_clear > 0, report.format()  # the margin rule leaves positions to judge
     assert 0.9 < report.routing_agreement <= 1.0
     # Errors grow smoothly through the layers once no routing flip can jump them.
     assert max(report.layer_errors) < 3e-2 and report.layer_errors[0] < 1e-2
@@ -157,3 +160,24 @@ def test_prefill_last_logits_only(containers):
                 for flag in (True, False)]
     assert runs[0].generated == runs[1].generated
     assert runs[0].all_logits().shape[0] == 18 + 3 and runs[1].all_logits().shape[0] == 1 + 3
+
+
+def test_scheme_tolerances_follow_their_error_sources():
+    # f32: float32 rounding only; q8 and q4: the int8 activations, the same for both formats
+    # (the oracle reads the same stored weights), growing with the products in series.
+    assert scheme_tolerance("f32", 5) == 1e-5
+    assert scheme_tolerance("q8", 5) == scheme_tolerance("q4", 5) > 100 * scheme_tolerance("f32", 5)
+    assert scheme_tolerance("q4", 20) == pytest.approx(2 * scheme_tolerance("q4", 5))
+    with pytest.raises(ValueError):
+        scheme_tolerance("q2", 5)
+
+
+def test_clear_margin_scales_with_the_tolerance():
+    vocab = 100
+    logits = np.tile(np.where(np.arange(vocab) % 2, 0.1, -0.1), (3, 1))  # runner-up 0.1
+    logits[:, 0] = [1.0, 0.5, 0.15]  # margins 0.9, 0.4, 0.05 against row RMS 0.14, 0.11, 0.10
+    threshold = 2 * np.sqrt(2 * np.log(vocab))  # in units of tolerance x RMS(row)
+    rms = np.sqrt(np.mean(logits**2, axis=-1))
+    tol = 0.99 * (logits[1, 0] - 0.1) / (threshold * rms[1])  # row 1 just clear
+    np.testing.assert_array_equal(clear_margin(logits, tol), [True, True, False])
+    np.testing.assert_array_equal(clear_margin(logits, tol * 1.02), [True, False, False])

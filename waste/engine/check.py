@@ -23,13 +23,53 @@ from waste.engine.model import DEFAULT_PREFILL_CHUNK, Model
 from waste.engine.runner import generate
 from waste.engine.sampling import Sampler
 
-# Relative L2 error allowed by default, per container scheme. f32 is the issue's 1e-5 (the
-# seed's C engine reached 1.58e-06 end to end). Quantised schemes store the same weights
-# the oracle dequantises, but the engine also rounds activations to int8 per group of 32
-# before each quantised product (about 0.3% per product on tiny) and the error compounds
-# through the layers.
-DEFAULT_TOLERANCE = {"f32": 1e-5, "q8": 3e-2, "q4": 3e-2}
+# Relative L2 error allowed by default, per container scheme (`scheme_tolerance`).
+UNIT_ROUNDOFF_F32 = 2.0**-24
+# int8 activations, per group of 32 with scale amax / 127: each element is off by at most half a
+# step, amax / 254, uniformly, so the RMS error is amax / (127 sqrt(12)); for a group of 32 normal
+# values amax is about 2.5 times the RMS, so one product's relative error is 2.5 / (127 sqrt(12)).
+INT8_ACTIVATION_REL_ERROR = 2.5 / (127 * 12**0.5)  # 5.7e-3
+PRODUCTS_PER_LAYER = 4  # in series along the residual: attention in and out, FFN in and out
 FORCE_ROUTING = {"f32": False, "q8": True, "q4": True}
+
+
+def scheme_tolerance(scheme: str, num_layers: int) -> float:
+    """Relative L2 error of the engine against the oracle that a correct engine stays within.
+
+    f32: the engine computes in float32 what the oracle computes in float64 from the same
+    weights. Rounding errors of a few u = 2**-24 per operation, compounded through reductions
+    and layers, stay far below the 1e-5 the issue set (the seed's C engine reached 1.6e-6):
+    1e-5 is about 170 u.
+
+    q8 and q4: the oracle dequantises the very weights the container stores (exactly: code x
+    scale x tscale), so the weight format's own error bound (q8g: half a step of amax / 127
+    per weight, q4g: up to a step of amax / 8) is in both sides and cancels; it is *not* what
+    this check measures, which is why q8 and q4 get the same figure. What differs is that
+    the engine rounds every activation vector to int8 per group of 32 before each quantised
+    product (both formats), a relative error of INT8_ACTIVATION_REL_ERROR = 5.7e-3 per product.
+    Independent errors of the PRODUCTS_PER_LAYER x L products in series add in quadrature:
+    tolerance = 5.7e-3 sqrt(4 L), 2.5e-2 for the 5 layers of tiny (where q8 and q4 measure
+    1.2e-2 at the logits).
+    """
+    if scheme == "f32":
+        return 1e-5
+    if scheme in ("q8", "q4"):
+        return INT8_ACTIVATION_REL_ERROR * (PRODUCTS_PER_LAYER * num_layers) ** 0.5
+    raise ValueError(f"no tolerance for scheme {scheme!r}")
+
+
+def clear_margin(logits: np.ndarray, tolerance: float) -> np.ndarray:
+    """Positions [T] whose top-2 logit margin no error within `tolerance` is expected to overturn.
+
+    Spread evenly, a relative L2 error of `tolerance` moves each of a row's V logits by about
+    tolerance x RMS(row); the largest of V such independent errors is about sqrt(2 ln V) times
+    that, and a margin shrinks by at most twice the largest. So a margin is clear above
+    2 sqrt(2 ln V) tolerance RMS(row).
+    """
+    vocab = logits.shape[-1]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    rms = np.sqrt(np.mean(np.square(logits), axis=-1))
+    return top2[:, 1] - top2[:, 0] > 2 * np.sqrt(2 * np.log(vocab)) * tolerance * rms
 
 
 class HiddenCapture:
@@ -66,8 +106,9 @@ class CheckReport:
     layer_errors: list[float]
     logits_error: float
     logits_max_abs: float
-    greedy_agree: int
-    greedy_required: int
+    greedy_agree: int  # positions (of all) where the engine's argmax is the oracle's
+    greedy_clear: int  # positions whose oracle margin is clear (`clear_margin`)
+    greedy_clear_agree: int  # of those, positions where the argmaxes agree
     greedy_disagreements: list[int] = field(default_factory=list)  # positions with a clear margin that disagree
     routing_forced: bool = False
     routing_agreement: float = 1.0  # fraction of (token, MoE layer) where both chose the same expert set
@@ -86,9 +127,8 @@ class CheckReport:
             flag = "" if err <= self.tolerance else "  ABOVE TOLERANCE"
             lines.append(f"  {i:>5} {kind:<4} {err:>14.3e}{flag}")
         lines.append(f"  {'logits':>10} {self.logits_error:>14.3e}   (max |diff| {self.logits_max_abs:.3e})")
-        lines.append(f"  greedy agreement: {self.greedy_agree}/{len(self.ids)} positions; "
-                     f"{self.greedy_required} have a top-2 margin above tolerance, "
-                     f"{len(self.greedy_disagreements)} of those disagree")
+        lines.append(f"  greedy agreement: {self.greedy_agree}/{len(self.ids)} of all positions, "
+                     f"{self.greedy_clear_agree}/{self.greedy_clear} of positions with a clear top-2 margin")
         forced = " (the oracle applied the engine's experts)" if self.routing_forced else ""
         lines.append(f"  routing agreement: {100 * self.routing_agreement:.2f}% of token-layer expert sets{forced}")
         lines.append("  PASS" if self.passed else "  FAIL")
@@ -126,11 +166,8 @@ def check_against_oracle(
     by_position = (np.linalg.norm(capture.hidden.astype(np.float64) - want, axis=-1)
                    / np.maximum(np.linalg.norm(want, axis=-1), 1e-300)).max(axis=0)
     ref_logits = ref.logits
-    # A position's greedy choice is only well defined when its top-2 margin exceeds what an
-    # error within tolerance could move: each logit by at most tol * ||row||, a margin by twice that.
-    tol = DEFAULT_TOLERANCE[container.scheme] if tolerance is None else tolerance
-    top2 = np.sort(ref_logits, axis=-1)[:, -2:]
-    required = top2[:, 1] - top2[:, 0] > 2 * tol * np.linalg.norm(ref_logits, axis=-1)
+    tol = scheme_tolerance(container.scheme, cfg.num_layers) if tolerance is None else tolerance
+    clear = clear_margin(ref_logits, tol)
     agree = np.argmax(engine_logits, axis=-1) == np.argmax(ref_logits, axis=-1)
     return CheckReport(
         scheme=container.scheme,
@@ -142,8 +179,9 @@ def check_against_oracle(
         logits_error=relative_l2(engine_logits, ref_logits),
         logits_max_abs=float(np.max(np.abs(engine_logits - ref_logits))),
         greedy_agree=int(agree.sum()),
-        greedy_required=int(required.sum()),
-        greedy_disagreements=[int(p) for p in np.flatnonzero(required & ~agree)],
+        greedy_clear=int(clear.sum()),
+        greedy_clear_agree=int((clear & agree).sum()),
+        greedy_disagreements=[int(p) for p in np.flatnonzero(clear & ~agree)],
         routing_forced=force,
         routing_agreement=float(np.mean(agreement)) if agreement else 1.0,
         position_errors=[float(e) for e in by_position],

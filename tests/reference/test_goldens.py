@@ -1,0 +1,107 @@
+"""The kernels, the float64 oracle and `waste run` against numbers from independent code.
+
+tests/golden/ holds outputs of fla-core's naive KDA and of transformers' KimiLinearForCausalLM
+(versions inside each file; `tools/make_goldens.py` regenerates them where torch, fla-core and
+transformers are installed). Agreement with the oracle alone would not catch a misreading of
+the specification that the oracle and the kernels share; these would.
+
+Tolerances (u = 2**-24, float32's unit roundoff; relative to the golden's largest element):
+- KDA: fla's naive recurrence runs in float32, so it is itself about as far from the exact
+  result as our kernels: each within the random-walk bound of tests/kernels/test_kda_decays.py,
+  4 u sqrt(T) (3.8e-6 at T = 256), hence 8 u sqrt(T) between a kernel and fla, and 4 u sqrt(T)
+  between the float64 oracle and fla.
+- Model: transformers runs the tiny model in float32 through 5 layers; the oracle (float64) and
+  the f32 engine each stay within the 1e-5 relative L2 that `waste check` allows an f32
+  engine, so 2e-5 relative L2 between either and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import max_abs_diff
+
+from waste.cli import main
+from waste.container import open_container
+from waste.kernels.kda import recurrent_kda
+from waste.kernels.kda_chunk import chunk_kda
+from waste.kernels.kda_decode import kda_decode_step
+from waste.reference.kda import naive_recurrent_kda
+from waste.reference.model import ReferenceModel
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+UNIT_ROUNDOFF = 2.0**-24
+MODEL_RTOL = 2e-5
+
+
+def _golden(name: str) -> dict[str, np.ndarray]:
+    with np.load(GOLDEN / name) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def test_goldens_record_their_versions() -> None:
+    for name in ("kda_fla_naive.npz", "kimi_linear_tiny.npz"):
+        versions = json.loads(str(_golden(name)["versions"]))
+        assert {"torch", "transformers", "fla-core", "python"} <= set(versions), name
+        assert all(versions.values()), name
+
+
+@pytest.mark.parametrize("decays", ["fla_default", "weak", "floor"])
+def test_kda_kernels_and_oracle_match_fla_naive(decays: str) -> None:
+    g = _golden("kda_fla_naive.npz")
+    x = {n: g[f"{decays}/{n}"] for n in ("q", "k", "v", "g", "beta")}
+    s0 = g[f"{decays}/initial_state"]
+    o_fla, s_fla = g[f"{decays}/o_recurrent"], g[f"{decays}/state_recurrent"]
+    T = x["q"].shape[0]
+    o_scale, s_scale = np.max(np.abs(o_fla)), np.max(np.abs(s_fla))
+    # fla's own two forms agree (the golden file is what it claims to be)
+    assert max_abs_diff(g[f"{decays}/o_chunk"], o_fla) <= 8 * UNIT_ROUNDOFF * np.sqrt(T) * o_scale
+
+    results = {"oracle": naive_recurrent_kda(**x, initial_state=s0),
+               "recurrent_kda": recurrent_kda(**x, initial_state=s0),
+               "chunk_kda": chunk_kda(**x, initial_state=s0)}
+    state = s0.copy()
+    o = np.full(x["v"].shape, np.nan, np.float32)
+    for t in range(T):
+        o[t] = kda_decode_step(*(x[n][t] for n in ("q", "k", "v", "g", "beta")), state)
+    results["kda_decode_step"] = (o, state)
+    for name, (o, s) in results.items():
+        rtol = (4 if name == "oracle" else 8) * UNIT_ROUNDOFF * np.sqrt(T)
+        o_err, s_err = max_abs_diff(o, o_fla) / o_scale, max_abs_diff(s, s_fla) / s_scale
+        assert o_err <= rtol and s_err <= rtol, f"{name}, {decays}: output {o_err:.2e}, state {s_err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def golden_container(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("golden") / "kimi_linear_tiny.waste"
+    assert main(["convert", str(GOLDEN / "kimi_linear_tiny"), str(out), "--quant", "f32", "--quiet"]) == 0
+    return out
+
+
+def test_oracle_matches_transformers_kimi_linear(golden_container: Path) -> None:
+    g = _golden("kimi_linear_tiny.npz")
+    with open_container(golden_container) as c:
+        ref = ReferenceModel(c).forward(g["ids"])
+        layers = c.config.num_layers
+    assert _rel(ref.logits, g["logits"]) <= MODEL_RTOL
+    # transformers' hidden_states: the embedding, then each layer's output; its last entry has
+    # the final norm applied, so that one is left to the logits.
+    for i in range(layers):
+        assert _rel(ref.hidden_states[i], g["hidden_states"][i]) <= MODEL_RTOL, f"hidden state {i}"
+
+
+def test_waste_run_matches_transformers_kimi_linear(golden_container: Path, tmp_path: Path) -> None:
+    g = _golden("kimi_linear_tiny.npz")
+    ids = ",".join(str(int(t)) for t in g["ids"])
+    logits = tmp_path / "logits.npy"
+    assert main(["run", str(golden_container), "--prompt-ids", ids, "--max-new", "1",
+                 "--logits-out", str(logits)]) == 0
+    engine = np.load(logits)[: len(g["ids"])]
+    assert _rel(engine, g["logits"]) <= MODEL_RTOL

@@ -1,0 +1,169 @@
+"""Regenerate the external golden vectors in tests/golden/ (not needed for `make test`).
+
+The goldens are numbers from implementations that share no code with waste, so a misreading of
+the specification that waste's kernels and its float64 oracle have in common shows up:
+
+- kda_fla_naive.npz: fla-core's `naive_recurrent_kda` and `naive_chunk_kda`
+  (fla/ops/kda/naive.py, plain PyTorch, float32) on random inputs at fla's default decays,
+  weak decays (exp(g) in [0.99, 1)) and K3's floor (g = -5), with an initial state; q and k
+  are L2-normalised beforehand by transformers' own `l2norm` (the naive functions expect it).
+- kimi_linear_tiny/ (config.json + model.safetensors) and kimi_linear_tiny.npz: a tiny random
+  Kimi-Linear checkpoint in the Hugging Face layout (written by `waste synth tiny`, f32), and
+  the logits and hidden states transformers' `KimiLinearForCausalLM` computes from it, loaded
+  by transformers' own checkpoint conversion. fla is made unimportable for this step, so the
+  model runs transformers' PyTorch fallbacks for the short convolution and KDA (fla's Triton
+  kernels need a GPU); the file records which path ran.
+
+Every .npz records the versions used (torch, transformers, fla-core, Python) under `versions`.
+
+Run with an environment holding torch, transformers and fla-core, plus the repository's own
+venv for `waste synth`:
+
+    python3 -m venv /work/goldens-venv
+    /work/goldens-venv/bin/pip install torch==2.13.0 transformers==5.23.0 einops
+    /work/goldens-venv/bin/pip install --no-deps fla-core==0.6.0
+    /work/goldens-venv/bin/python tools/make_goldens.py --waste .venv/bin/waste
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+KDA_SHAPE = (256, 2, 32, 32)  # T, H, K, V: four fla chunks of 64
+FLOOR = -5.0
+PROMPT_LEN = 24
+CHECKPOINT_SEED = 11
+
+
+def versions() -> str:
+    """The packages behind a golden, as a JSON string (np.savez keeps it as a 0-d array)."""
+    names = ("torch", "transformers", "fla-core", "numpy")
+    found = {n: importlib.metadata.version(n) for n in names}
+    found["python"] = platform.python_version()
+    return json.dumps(found, sort_keys=True)
+
+
+def load_fla_naive():
+    """fla/ops/kda/naive.py by path: fla's package __init__ imports Triton kernels."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("fla-core is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def kda_case(rng: np.random.Generator, decays: str) -> dict[str, np.ndarray]:
+    """Random float32 inputs [T, H, ...] (batch dimension dropped) for one decay regime."""
+    T, H, K, V = KDA_SHAPE
+    f = np.float32
+    x = {"q": rng.standard_normal((T, H, K)).astype(f), "k": rng.standard_normal((T, H, K)).astype(f),
+         "v": rng.standard_normal((T, H, V)).astype(f)}
+    if decays == "fla_default":
+        g = -np.logaddexp(0.0, -rng.standard_normal((T, H, K)))  # logsigmoid(N(0, 1))
+    elif decays == "weak":
+        g = np.log(rng.uniform(0.99, 1.0, (T, H, K)))
+    else:
+        g = np.full((T, H, K), FLOOR)
+    x["g"] = g.astype(f)
+    x["beta"] = (1.0 / (1.0 + np.exp(-rng.standard_normal((T, H))))).astype(f)
+    x["initial_state"] = (0.1 * rng.standard_normal((H, K, V))).astype(f)
+    return x
+
+
+def make_kda_goldens() -> Path:
+    import torch
+    from transformers.models.kimi_linear.modeling_kimi_linear import l2norm
+
+    naive = load_fla_naive()
+    rng = np.random.default_rng(2026)
+    out: dict[str, np.ndarray] = {"versions": np.array(versions()),
+                                  "source": np.array("fla/ops/kda/naive.py naive_recurrent_kda, naive_chunk_kda "
+                                                     "(float32); q, k normalised by transformers' l2norm, eps 1e-6")}
+    for decays in ("fla_default", "weak", "floor"):
+        x = kda_case(rng, decays)
+        t = {n: torch.from_numpy(a)[None] for n, a in x.items() if n != "initial_state"}
+        s0 = torch.from_numpy(x["initial_state"])[None]
+        q, k = l2norm(t["q"], dim=-1, eps=1e-6), l2norm(t["k"], dim=-1, eps=1e-6)
+        o_rec, s_rec = naive.naive_recurrent_kda(q, k, t["v"], t["g"], t["beta"], initial_state=s0,
+                                                 output_final_state=True)
+        o_chk, s_chk = naive.naive_chunk_kda(q, k, t["v"], t["g"], t["beta"], initial_state=s0,
+                                             output_final_state=True, chunk_size=64)
+        for name, a in x.items():
+            out[f"{decays}/{name}"] = a
+        out[f"{decays}/o_recurrent"] = o_rec[0].numpy()
+        out[f"{decays}/state_recurrent"] = s_rec[0].numpy()
+        out[f"{decays}/o_chunk"] = o_chk[0].numpy()
+        out[f"{decays}/state_chunk"] = s_chk[0].numpy()
+    path = GOLDEN / "kda_fla_naive.npz"
+    np.savez_compressed(path, **out)
+    return path
+
+
+def make_model_goldens(waste: str) -> Path:
+    sys.modules["fla"] = None  # make `import fla` fail: transformers then runs its PyTorch paths
+    import torch
+    import transformers
+    from transformers import KimiLinearForCausalLM
+    from transformers.models.kimi_linear import modeling_kimi_linear as mk
+
+    ckpt = GOLDEN / "kimi_linear_tiny"
+    with tempfile.TemporaryDirectory() as tmp:
+        synth = Path(tmp) / "ckpt"
+        subprocess.run([waste, "synth", "tiny", str(synth), "--dtype", "f32", "--seed", str(CHECKPOINT_SEED)],
+                       check=True, stdout=subprocess.DEVNULL)
+        if ckpt.exists():
+            shutil.rmtree(ckpt)
+        ckpt.mkdir(parents=True)
+        for f in synth.iterdir():
+            if f.name == "config.json" or f.suffix == ".safetensors" or f.name.endswith(".index.json"):
+                shutil.copy(f, ckpt / f.name)
+    torch.manual_seed(0)
+    model = KimiLinearForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model.eval()
+    kda_path = {fn: getattr(mk, fn).__module__ for fn in ("chunk_kimi_delta_attention",
+                                                          "recurrent_kimi_delta_attention")}
+    cfg = json.loads((ckpt / "config.json").read_text())
+    ids = np.random.default_rng(CHECKPOINT_SEED).integers(0, cfg["vocab_size"], PROMPT_LEN)
+    with torch.no_grad():
+        result = model(torch.from_numpy(ids)[None], output_hidden_states=True, use_cache=False)
+    out = {
+        "versions": np.array(versions()),
+        "source": np.array(f"transformers {transformers.__version__} KimiLinearForCausalLM, float32, fla not "
+                           f"importable; KDA functions from {kda_path}"),
+        "ids": ids.astype(np.int64),
+        "logits": result.logits[0].numpy(),
+        "hidden_states": np.stack([h[0].numpy() for h in result.hidden_states]),
+    }
+    path = GOLDEN / "kimi_linear_tiny.npz"
+    np.savez_compressed(path, **out)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--waste", default=str(ROOT / ".venv" / "bin" / "waste"),
+                        help="the waste command that writes the tiny checkpoint")
+    args = parser.parse_args()
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    print("wrote", make_kda_goldens())
+    print("wrote", make_model_goldens(args.waste))
+
+
+if __name__ == "__main__":
+    main()
