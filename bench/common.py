@@ -1,24 +1,35 @@
 """Helpers shared by the benchmarks: the cached `mini` containers, the machine's copy bandwidth,
-page-cache dropping, fixed-width tables and atomic JSON results.
+page-cache dropping, equal thread counts for kernel and baseline, working sets larger than the
+last-level cache, fixed-width tables and atomic JSON results.
+
+Fair ratios. Importing waste pins NumPy's BLAS to one thread (waste.jit), while Numba kernels
+use every core. A ratio is only reported between a kernel and a baseline run at the same
+thread count: `thread_counts()` gives (1, all cores) and `at_threads(n)` sets both Numba's
+and BLAS's threads for the timings inside it. A product timed over and over on one matrix
+keeps its weights in the last-level cache; `rotation(make, nbytes)` builds enough copies to
+exceed it (twice `l3_bytes()`), and `cycle(calls)` steps through them, one per call.
 
 The benchmarks import this as `common` (they run as scripts, so bench/ is on sys.path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import mmap
 import os
 import platform
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numba
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from waste.container import ContainerError, open_container
 from waste.container.convert import convert
@@ -108,6 +119,63 @@ def drop_page_cache(path: Path, *, whole_machine: bool = False) -> str:
     return "+".join(done) or "none"
 
 
+def thread_counts() -> tuple[int, ...]:
+    """The thread counts every ratio is reported at: one, and all cores (once on a 1-core machine)."""
+    return tuple(sorted({1, num_threads()}))
+
+
+@contextlib.contextmanager
+def at_threads(n: int) -> Iterator[None]:
+    """Numba kernels and NumPy's BLAS both on n threads inside the block (restored after)."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        with threadpool_limits(n, user_api="blas"):
+            yield
+    finally:
+        numba.set_num_threads(before)
+
+
+def l3_bytes() -> int:
+    """The largest CPU cache in bytes (sysfs; 32 MiB when unreadable)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def rotation(make: Callable[[int], Any], nbytes: int) -> list[Any]:
+    """Copies make(0), make(1), ... of an operand of `nbytes` each, together more than twice the
+    last-level cache, so that stepping through them reads each from memory, not from cache
+    (one copy when one alone is that large)."""
+    return [make(i) for i in range(max(1, -(-2 * l3_bytes() // max(1, nbytes))))]
+
+
+def cycle(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs the next of `calls` each time (round robin)."""
+    state = {"i": 0}
+
+    def step() -> object:
+        i = state["i"]
+        state["i"] = (i + 1) % len(calls)
+        return calls[i]()
+
+    return step
+
+
+def uptime() -> str:
+    """`uptime`'s line (the load on the shared machine while a benchmark ran)."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, core count, Numba threads and library versions."""
     cpu = platform.processor()
@@ -118,6 +186,7 @@ def machine_info() -> dict[str, Any]:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "numba_threads": num_threads(), "numba": numba.__version__,
             "numpy": np.__version__, "python": platform.python_version(), "load_average": os.getloadavg(),
+            "uptime": uptime(), "l3_bytes": l3_bytes(),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 

@@ -1,14 +1,22 @@
 """Quantised matrix products on Kimi-Linear shapes: time, weight GB/s, ratio to NumPy float32.
 
-For each shape and format (f32, bf16, q8g, q4g): `matvec` (one token, decode) and `matmul`
-at 32 tokens (prefill chunk), the weight bytes streamed per call over the time, and the speed
-ratio against NumPy's float32 product on the same shape in the same run (> 1 is faster).
-Timings are the best of many short interleaved bursts (the machine is shared). Then the
-weight quantiser (`quantize`, q8g and q4g) in ns per weight on one float32 matrix: the Numba
-kernels on all threads and on one, against the float64 NumPy oracle `reference_quantize` in the
-same run, and whether their bytes agree. Prints tables and writes bench/results/quant.json
-(with --quantize-only only the quantiser section, to bench/results/quant_quantize.json).
-Asserts nothing.
+For each shape and format: `matvec` (one token, decode) and `matmul` at 32 tokens (prefill
+chunk), the weight bytes streamed per call over the time, and the speed ratio against NumPy's
+float32 product on the same shape in the same run (> 1 is faster). Every ratio is taken at
+equal thread counts, 1 thread against 1 thread and all cores against all cores (NumPy's BLAS
+under threadpoolctl, the kernels under numba.set_num_threads; bench/common.py), shown side
+by side. Each product steps through copies of its matrix that together exceed twice the
+last-level cache, so every call reads its weights from memory (the decode case: a model's
+weights do not stay in cache between tokens). Timings are the best of many short interleaved
+bursts (the machine is shared).
+
+Then the weight quantiser (`quantize`, q8g and q4g) in ns per weight on one float32 matrix,
+against a vectorised float32 NumPy quantiser written here (`numpy_quantize`: the same
+arithmetic as whole-array operations; NumPy's elementwise operations run on one thread, so the
+all-cores row compares against the same single-threaded NumPy and says so), and whether the
+Numba bytes agree with the float64 oracle `reference_quantize`. Prints tables and writes
+bench/results/quant.json (with --quantize-only only the quantiser section, to
+bench/results/quant_quantize.json). Asserts nothing.
 
     python bench/quant.py [--quick] [--rounds 30] [--quantize-only] [--out PATH]
 """
@@ -25,10 +33,10 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from common import best_seconds, machine_info, write_json
+from common import at_threads, best_seconds, cycle, machine_info, rotation, thread_counts, write_json
 
-from waste.jit import num_threads
 from waste.kernels import quant as qk
+from waste.qformat import BLOCK_BYTES, GROUP, QMAX, ROWS, SCALE_EXPONENT
 from waste.reference.quant import reference_quantize
 
 SHAPES = [  # (name, N, K)
@@ -120,63 +128,105 @@ def _threading_layer() -> str:
 
 
 def measure_shape(name: str, n: int, k: int, rng: np.random.Generator, rounds: int) -> dict[str, object]:
-    """Time NumPy float32 and every format on one weight shape [n, k]."""
+    """Time NumPy float32 and every format on one weight shape [n, k], at each thread count, each
+    product stepping through copies of its matrix larger than the last-level cache together."""
     w = rng.standard_normal((n, k), dtype=np.float32)
     x = rng.standard_normal(k, dtype=np.float32)
     X = rng.standard_normal((TOKENS, k), dtype=np.float32)
-    fns: dict[str, Callable[[], object]] = {"numpy/matvec": lambda: w @ x, "numpy/matmul": lambda: X @ w.T}
-    matrices, quantize_s = {}, {}
+    copies = rotation(lambda i: w if i == 0 else w.copy(), w.nbytes)
+    fns: dict[str, Callable[[], object]] = {
+        "numpy/matvec": cycle([lambda c=c: c @ x for c in copies]),
+        "numpy/matmul": cycle([lambda c=c: X @ c.T for c in copies]),
+    }
+    matrices, quantize_s, n_copies = {}, {}, {"numpy": len(copies)}
+    del copies
     for fmt in qk.FORMATS:
         t = time.perf_counter()
         m = matrices[fmt] = qk.quantize(w, fmt)
         quantize_s[fmt] = time.perf_counter() - t
-        fns[f"{fmt}/matvec"] = lambda m=m: m.matvec(x)
-        fns[f"{fmt}/matmul"] = lambda m=m: m.matmul(X)
-    best = best_times(fns, rounds)
-    np_mv, np_mm = best["numpy/matvec"], best["numpy/matmul"]
-    row: dict[str, object] = {"name": name, "N": n, "K": k, "tokens": TOKENS,
-                              "numpy_f32": {"matvec_ms": np_mv * 1e3, "matmul_ms": np_mm * 1e3}, "formats": {}}
-    for fmt, m in matrices.items():
-        mv, mm = best[f"{fmt}/matvec"], best[f"{fmt}/matmul"]
-        row["formats"][fmt] = {
-            "bytes": m.nbytes, "bits_per_weight": 8 * m.nbytes / (n * k), "quantize_s": quantize_s[fmt],
-            "matvec_ms": mv * 1e3, "matvec_gbs": m.nbytes / mv / 1e9, "matvec_vs_numpy": np_mv / mv,
-            "matmul_ms": mm * 1e3, "matmul_gbs": m.nbytes / mm / 1e9, "matmul_vs_numpy": np_mm / mm,
-        }
+        ms = rotation(lambda i, m=m, fmt=fmt: m if i == 0 else qk.quantize(w, fmt), m.nbytes)
+        n_copies[fmt] = len(ms)
+        fns[f"{fmt}/matvec"] = cycle([lambda m=m: m.matvec(x) for m in ms])
+        fns[f"{fmt}/matmul"] = cycle([lambda m=m: m.matmul(X) for m in ms])
+    row: dict[str, object] = {"name": name, "N": n, "K": k, "tokens": TOKENS, "copies": n_copies,
+                              "numpy_f32": {}, "formats": {fmt: {"bytes": m.nbytes,
+                                                                 "bits_per_weight": 8 * m.nbytes / (n * k),
+                                                                 "quantize_s": quantize_s[fmt], "threads": {}}
+                                                           for fmt, m in matrices.items()}}
+    for threads in thread_counts():
+        with at_threads(threads):
+            best = best_times(fns, rounds)
+        np_mv, np_mm = best["numpy/matvec"], best["numpy/matmul"]
+        row["numpy_f32"][threads] = {"matvec_ms": np_mv * 1e3, "matmul_ms": np_mm * 1e3}
+        for fmt, m in matrices.items():
+            mv, mm = best[f"{fmt}/matvec"], best[f"{fmt}/matmul"]
+            row["formats"][fmt]["threads"][threads] = {
+                "matvec_ms": mv * 1e3, "matvec_gbs": m.nbytes / mv / 1e9, "matvec_vs_numpy": np_mv / mv,
+                "matmul_ms": mm * 1e3, "matmul_gbs": m.nbytes / mm / 1e9, "matmul_vs_numpy": np_mm / mm,
+            }
     return row
 
 
-def measure_quantize(rounds: int, reference_rounds: int) -> dict[str, object]:
-    """ns per weight of quantize (all threads and one thread) and of reference_quantize, per q format."""
+def numpy_quantize(w: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
+    """The q8g / q4g buffers of w [N, K] by vectorised float32 NumPy: the speed baseline for the
+    Numba quantiser (same steps, whole-array operations; bytes may differ from the oracle's in
+    the last float32 rounding, which a speed baseline does not need)."""
+    n, k = w.shape
+    nb, g = -(-n // ROWS), -(-k // GROUP)
+    wg = np.zeros((nb * ROWS, g * GROUP), np.float32)
+    wg[:n, :k] = w
+    wg = wg.reshape(nb * ROWS, g, GROUP)
+    dmax = float(np.abs(wg).max()) / QMAX[fmt]
+    tscale = np.float32(2.0 ** (np.frexp(dmax)[1] - 1 - SCALE_EXPONENT)) if dmax else np.float32(1.0)
+    if fmt == "q8g":
+        extreme = np.abs(wg).max(axis=-1)
+    else:
+        extreme = -np.take_along_axis(wg, np.abs(wg).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    s16 = (extreme / np.float32(QMAX[fmt]) / tscale).astype(np.float16)
+    d = s16.astype(np.float32) * tscale
+    inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d != 0)
+    ratio = wg * inv[..., None]
+    if fmt == "q8g":
+        codes = np.clip(np.rint(ratio), -127, 127).astype(np.int8)
+        qs = codes.reshape(nb, ROWS, g, GROUP // 4, 4).transpose(0, 2, 3, 1, 4)
+    else:
+        codes = np.clip(np.rint(ratio) + 8, 0, 15).astype(np.uint8)
+        packed = codes[..., : GROUP // 2] | (codes[..., GROUP // 2:] << 4)
+        qs = packed.reshape(nb, ROWS, g, GROUP // 8, 4).transpose(0, 2, 3, 1, 4)
+    return {"qs": np.ascontiguousarray(qs).reshape(nb, g, BLOCK_BYTES[fmt]),
+            "scales": np.ascontiguousarray(s16.reshape(nb, ROWS, g).transpose(0, 2, 1)),
+            "tscale": np.array([tscale], np.float32)}
+
+
+def measure_quantize(rounds: int) -> dict[str, object]:
+    """ns per weight of quantize and of the vectorised NumPy quantiser, per q format and thread count."""
     name, n, k = QUANTIZE_SHAPE
     w = np.random.default_rng(1).standard_normal((n, k), dtype=np.float32)
-    threads = num_threads()
-    out: dict[str, object] = {"name": name, "N": n, "K": k, "dtype": "float32", "threads": threads, "formats": {}}
+    out: dict[str, object] = {"name": name, "N": n, "K": k, "dtype": "float32", "formats": {}}
     for fmt in ("q8g", "q4g"):
         fast = qk.quantize(w, fmt)  # compiles (or loads from the cache) first
         want = reference_quantize(w, fmt)
         identical = all(np.array_equal(fast.buffers[b].view(np.uint8), want[b].view(np.uint8)) for b in want)
-        fast_s = best_seconds(lambda fmt=fmt: qk.quantize(w, fmt), rounds)
-        numba.set_num_threads(1)
-        try:
-            one_s = best_seconds(lambda fmt=fmt: qk.quantize(w, fmt), rounds)
-        finally:
-            numba.set_num_threads(threads)
-        ref_s = best_seconds(lambda fmt=fmt: reference_quantize(w, fmt), reference_rounds)
-        out["formats"][fmt] = {"fast_ns_per_weight": fast_s / w.size * 1e9,
-                               "fast_1thread_ns_per_weight": one_s / w.size * 1e9,
-                               "reference_ns_per_weight": ref_s / w.size * 1e9,
-                               "speedup_vs_reference": ref_s / fast_s, "identical_bytes": identical}
+        row: dict[str, object] = {"identical_to_oracle": identical, "threads": {}}
+        for threads in thread_counts():
+            with at_threads(threads):
+                fast_s = best_seconds(lambda fmt=fmt: qk.quantize(w, fmt), rounds)
+                numpy_s = best_seconds(lambda fmt=fmt: numpy_quantize(w, fmt), rounds)
+            row["threads"][threads] = {"fast_ns_per_weight": fast_s / w.size * 1e9,
+                                       "numpy_ns_per_weight": numpy_s / w.size * 1e9,
+                                       "speedup_vs_numpy": numpy_s / fast_s}
+        out["formats"][fmt] = row
     return out
 
 
 def print_quantize(q: dict) -> None:
-    print(f"quantise {q['name']} {q['N']}x{q['K']} {q['dtype']} (ns per weight; best of the rounds)")
-    print(f"{'fmt':<5} | {'fast ' + str(q['threads']) + ' thr':>10} {'fast 1 thr':>10} | {'reference':>9} | "
-          f"{'x ref':>6} | identical")
+    print(f"quantise {q['name']} {q['N']}x{q['K']} {q['dtype']}: ns per weight, best of the rounds; baseline: "
+          "vectorised float32 NumPy (numpy_quantize, always one thread)")
+    print(f"{'fmt':<5} {'threads':>7} | {'Numba':>7} {'NumPy':>7} | {'x NumPy':>7} | identical to oracle")
     for fmt, r in q["formats"].items():
-        print(f"{fmt:<5} | {r['fast_ns_per_weight']:>10.2f} {r['fast_1thread_ns_per_weight']:>10.2f} | "
-              f"{r['reference_ns_per_weight']:>9.2f} | {r['speedup_vs_reference']:>6.1f} | {r['identical_bytes']}")
+        for threads, t in r["threads"].items():
+            print(f"{fmt:<5} {threads:>7} | {t['fast_ns_per_weight']:>7.2f} {t['numpy_ns_per_weight']:>7.2f} | "
+                  f"{t['speedup_vs_numpy']:>7.1f} | {r['identical_to_oracle']}")
 
 
 def run(shapes: list[tuple[str, int, int]], rounds: int) -> dict[str, object]:
@@ -196,26 +246,34 @@ def check_targets(results: list[dict]) -> list[dict[str, object]]:
     for fmt, op, names, minimum in TARGETS:
         for name in names:
             if name in by_name:
-                ratio = by_name[name]["formats"][fmt][f"{op}_vs_numpy"]
-                out.append({"format": fmt, "op": op, "shape": name, "ratio": ratio, "target": minimum,
-                            "met": ratio >= minimum})
+                for threads, t in by_name[name]["formats"][fmt]["threads"].items():
+                    ratio = t[f"{op}_vs_numpy"]
+                    out.append({"format": fmt, "op": op, "shape": name, "threads": threads, "ratio": ratio,
+                                "target": minimum, "met": ratio >= minimum})
     return out
 
 
 def print_header() -> None:
-    print(f"{'shape':<12} {'N x K':>13} {'fmt':<5} {'bits':>5} | {'matvec ms':>9} {'GB/s':>6} {'x np':>6} | "
-          f"{'matmul' + str(TOKENS) + ' ms':>11} {'GB/s':>6} {'x np':>6}")
+    counts = thread_counts()
+    cols = " | ".join(f"{'matvec ' + str(n) + 't ms':>13} {'x np':>6} {'matmul ' + str(n) + 't ms':>13} {'x np':>6}"
+                      for n in counts)
+    print(f"(baseline 'x np': NumPy float32 at the same thread count; {TOKENS}-token matmul; matrices rotated "
+          "beyond the last-level cache)")
+    print(f"{'shape':<12} {'N x K':>13} {'fmt':<5} {'bits':>5} | {cols}")
 
 
 def print_row(row: dict) -> None:
     shape = f"{row['N']}x{row['K']}"
-    np_ = row["numpy_f32"]
-    print(f"{row['name']:<12} {shape:>13} {'numpy':<5} {32.0:>5.1f} | {np_['matvec_ms']:>9.3f} {'':>6} {1.0:>6.2f} | "
-          f"{np_['matmul_ms']:>11.3f} {'':>6} {1.0:>6.2f}")
+
+    def cells(times: dict, ratios: dict | None) -> str:
+        return " | ".join(f"{times[n]['matvec_ms']:>13.3f} {(ratios or {}).get(n, (1.0, 1.0))[0]:>6.2f} "
+                          f"{times[n]['matmul_ms']:>13.3f} {(ratios or {}).get(n, (1.0, 1.0))[1]:>6.2f}"
+                          for n in times)
+
+    print(f"{row['name']:<12} {shape:>13} {'numpy':<5} {32.0:>5.1f} | {cells(row['numpy_f32'], None)}")
     for fmt, r in row["formats"].items():
-        print(f"{'':<12} {'':>13} {fmt:<5} {r['bits_per_weight']:>5.2f} | {r['matvec_ms']:>9.3f} "
-              f"{r['matvec_gbs']:>6.1f} {r['matvec_vs_numpy']:>6.2f} | {r['matmul_ms']:>11.3f} "
-              f"{r['matmul_gbs']:>6.1f} {r['matmul_vs_numpy']:>6.2f}")
+        ratios = {n: (t["matvec_vs_numpy"], t["matmul_vs_numpy"]) for n, t in r["threads"].items()}
+        print(f"{'':<12} {'':>13} {fmt:<5} {r['bits_per_weight']:>5.2f} | {cells(r['threads'], ratios)}")
 
 
 def main() -> int:
@@ -224,7 +282,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--quantize-only", action="store_true",
                         help="time only the weight quantiser (about a minute; default --out quant_quantize.json)")
-    parser.add_argument("--quantize-rounds", type=int, default=10, help="rounds per quantiser timing")
+    parser.add_argument("--quantize-rounds", type=int, default=10, help="rounds per quantiser timing (both sides)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON results (default bench/results/quant.json or, with --quantize-only, "
                              "bench/results/quant_quantize.json)")
@@ -236,9 +294,8 @@ def main() -> int:
     print(f"{info['cpu']}, {info['cores']} cores, Numba {info['numba']} ({info['numba_threads']} threads), "
           f"NumPy {info['numpy']}, VNNI kernels: {info['vnni_kernels']}")
     print(f"load average at start: {os.getloadavg()}")
-    reference_rounds = max(1, args.quantize_rounds // 3)
     if args.quantize_only:
-        quantize = measure_quantize(args.quantize_rounds, reference_rounds)
+        quantize = measure_quantize(args.quantize_rounds)
         print_quantize(quantize)
         report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": quant_machine_info(),
                   "load_average_at_end": os.getloadavg(), "quantize": quantize}
@@ -251,9 +308,10 @@ def main() -> int:
     print_header()
     report = run(shapes, args.rounds)
     for t in report["targets"]:
-        print(f"target {t['format']} {t['op']} on {t['shape']}: {t['ratio']:.2f}x NumPy (>= {t['target']}): "
+        print(f"target {t['format']} {t['op']} on {t['shape']}, {t['threads']} thread(s): {t['ratio']:.2f}x NumPy "
+              f"(>= {t['target']}): "
               f"{'met' if t['met'] else 'MISSED'}")
-    report["quantize"] = measure_quantize(args.quantize_rounds, reference_rounds)
+    report["quantize"] = measure_quantize(args.quantize_rounds)
     print_quantize(report["quantize"])
     report["load_average_at_end"] = os.getloadavg()
     print(f"load average at end: {report['load_average_at_end']}")
