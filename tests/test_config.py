@@ -97,3 +97,100 @@ def test_config_file_and_directory(tmp_path):
         load_config_file(tmp_path / "bad.json")
     with pytest.raises(ConfigError, match="no such file"):
         load_config_file(tmp_path / "absent.json")
+
+
+def test_k3_preset_reads_every_k3_field():
+    cfg = load_preset("k3")
+    assert cfg.attn_res_block_size == 12 and cfg.latent_moe_use_norm
+    assert (cfg.situ_beta, cfg.situ_linear_beta) == (4.0, 25.0)
+    assert cfg.expert_quant == "mxfp4" and cfg.routed_expert_hidden_size == 3584
+    q = cfg.raw["text_config"]["quantization_config"]
+    assert q["format"] == "mxfp4-pack-quantized" and "re:.*self_attn.*" in q["ignore"]
+
+
+def test_small_k3_presets_have_the_shapes_tests_and_notebooks_need():
+    tiny, mini = load_preset("k3-tiny"), load_preset("k3-mini")
+    for cfg in (tiny, mini):
+        assert cfg.model_type == "kimi_k3" and cfg.hidden_act == "situ" and cfg.expert_quant == "mxfp4"
+        assert cfg.kda_layers and cfg.mla_layers and cfg.first_k_dense_replace == 1
+        # several AttnRes blocks, the last one partial
+        assert cfg.num_layers > 2 * cfg.attn_res_block_size and cfg.num_layers % cfg.attn_res_block_size
+        assert cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group
+        assert cfg.kda_gate == "lower_bound" and cfg.kda_full_rank_gate and cfg.mla_output_gate
+        assert cfg.q_lora_rank is not None
+        # MXFP4 experts need both widths they read in whole groups of 32
+        assert cfg.routed_expert_hidden_size % 32 == 0 and cfg.moe_intermediate_size % 32 == 0
+        assert cfg.routed_expert_hidden_size < cfg.hidden_size
+    assert not tiny.latent_moe_use_norm and tiny.situ_linear_beta is None
+    assert mini.latent_moe_use_norm and mini.situ_linear_beta == 25.0
+    assert tiny.hidden_size <= 64 and tiny.num_layers <= 6 and tiny.num_experts <= 8
+    assert mini.hidden_size >= 512 and mini.num_experts >= 64 and mini.kda_head_dim == 128
+
+
+def _k3(mutate):
+    d = copy.deepcopy(preset_dict("k3"))
+    mutate(d["text_config"], d)
+    return parse_config(d)
+
+
+def _quant(text):
+    return text["quantization_config"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda t, d: t.pop("quantization_config"), None),
+        # the format given once for all groups
+        (lambda t, d: _quant(t)["config_groups"]["group_0"].pop("format"), "mxfp4"),
+        # the quantization config at the top level instead of under text_config
+        (lambda t, d: d.update(quantization_config=t.pop("quantization_config")), "mxfp4"),
+        # targets as a regex naming the routed experts
+        (lambda t, d: _quant(t)["config_groups"]["group_0"].update(targets=[r"re:.*experts\.\d+\.w[123]$"]), "mxfp4"),
+        # the experts ignored: nothing routed is quantised
+        (lambda t, d: _quant(t)["ignore"].append("re:.*block_sparse_moe.*"), None),
+        # targets that do not reach the experts
+        (lambda t, d: _quant(t)["config_groups"]["group_0"].update(targets=["re:.*self_attn.*"]), None),
+    ],
+)
+def test_k3_quantization_config_decides_expert_quant(mutate, expected):
+    assert _k3(mutate).expert_quant == expected
+
+
+def test_null_linear_beta_is_allowed():
+    cfg = _k3(lambda t, d: t.update(activation_situ_linear_beta=None))
+    assert cfg.situ_linear_beta is None and cfg.situ_beta == 4.0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda t, d: t.update(rms_norm_eps=0.0), "'text_config.rms_norm_eps': expected a positive number"),
+        (lambda t, d: t.update(rms_norm_eps=-1e-5), "'text_config.rms_norm_eps': expected a positive number"),
+        (lambda t, d: t.update(attn_res_block_size=0), "'text_config.attn_res_block_size': expected an integer >= 1"),
+        (lambda t, d: t.update(attn_res_block_size=1.5), "'text_config.attn_res_block_size': expected an integer"),
+        (lambda t, d: t.update(routed_expert_hidden_size=3600),
+         "'text_config.routed_expert_hidden_size': 3600 is not a multiple of 32"),
+        (lambda t, d: t.update(moe_intermediate_size=3000),
+         "'text_config.moe_intermediate_size': 3000 is not a multiple of 32"),
+        (lambda t, d: t.update(activation_situ_beta=-4.0), "'text_config.activation_situ_beta': expected a positive"),
+        (lambda t, d: t.update(activation_situ_linear_beta=0), "'text_config.activation_situ_linear_beta'"),
+        (lambda t, d: t.update(latent_moe_use_norm="yes"), "'text_config.latent_moe_use_norm': expected true or false"),
+        (lambda t, d: _quant(t).update(format="nvfp4-pack-quantized") or _quant(t)["config_groups"]["group_0"].pop(
+            "format"), "'text_config.quantization_config.config_groups.group_0.format': expected"),
+        (lambda t, d: _quant(t)["config_groups"]["group_0"]["weights"].update(num_bits=8),
+         "'text_config.quantization_config.config_groups.group_0.weights': mxfp4-pack-quantized needs num_bits 4"),
+        (lambda t, d: _quant(t).update(quant_method="gptq"), "'text_config.quantization_config.quant_method'"),
+        (lambda t, d: _quant(t).update(ignore="re:.*"), "'text_config.quantization_config.ignore': expected a list"),
+    ],
+)
+def test_bad_k3_config_names_the_key(mutate, message):
+    with pytest.raises(ConfigError) as e:
+        _k3(mutate)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_mxfp4_width_check_applies_only_to_mxfp4_experts():
+    cfg = _k3(lambda t, d: (t.update(routed_expert_hidden_size=3600), t.pop("quantization_config")))
+    assert cfg.expert_input_size == 3600 and cfg.expert_quant is None

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dtype", choices=("f32", "bf16"), default="f32", help="dtype of KDA state and MLA cache")
     s.add_argument("--quant", choices=("bf16", "f32", "q8", "q4"), default=None,
                    help="weight scheme to size (default: the container's, else q4)")
+    s.add_argument("--experts", choices=("f32", "q8", "q4", "mxfp4"), default=None,
+                   help="routed expert storage to size (default: MXFP4 when the checkpoint's experts are, else "
+                        "the scheme's)")
     s.add_argument("--sweep", action="store_true", help="context-dependent lines from 1K to the model's maximum")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -55,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out_dir")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    s.add_argument("--expert-format", choices=("mxfp4", "bf16", "f32"), default=None,
+                   help="routed experts: MXFP4 (the default for K3, as it ships) or a float dtype (default --dtype)")
+    s.add_argument("--attn-res-spelling", choices=("canonical", "dotted"), default="canonical",
+                   help="K3 AttnRes names: <x>_res_norm.weight (canonical) or <x>_res.norm_weight (dotted)")
     s.add_argument("--shard-size", default="512M", help="largest shard before a new one starts (default 512M)")
     s.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
 
@@ -62,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("hf_dir")
     s.add_argument("out")
     s.add_argument("--quant", choices=("f32", "q8", "q4"), default="q8")
+    s.add_argument("--experts", choices=("f32", "q8", "q4", "mxfp4"), default=None,
+                   help="routed expert storage (default: MXFP4 experts stay MXFP4 byte for byte, others follow "
+                        "--quant); any other choice dequantises and stores again")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -5,7 +5,10 @@ keys under `text_config`). The 1-based `kda_layers` / `full_attn_layers` lists b
 0-based tuple of layer kinds ("kda" or "mla"). KDA and MLA variants are read off the keys
 (FACTS.md): `gate_lower_bound` selects the lower-bound sigmoid decay gate,
 `use_full_rank_gate` the full-rank output gate, `mla_use_output_gate` the MLA output gate,
-and a non-null `q_lora_rank` the factorised MLA query.
+and a non-null `q_lora_rank` the factorised MLA query. K3 adds AttnRes
+(`attn_res_block_size`), a latent MoE (`routed_expert_hidden_size`, `latent_moe_use_norm`),
+SiTU (`activation_situ_beta`, `activation_situ_linear_beta`) and a compressed-tensors
+`quantization_config` whose `mxfp4-pack-quantized` routed experts set `expert_quant`.
 
 Presets ship as JSON files in `waste/presets/` in the same Hugging Face form.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -22,7 +26,11 @@ from typing import Any
 from waste.errors import ConfigError
 
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
-PRESETS = ("tiny", "mini", "kimi-linear-48b-a3b", "k3")
+PRESETS = ("tiny", "mini", "kimi-linear-48b-a3b", "k3", "k3-tiny", "k3-mini")
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+MXFP4_GROUP = 32  # weights sharing one E8M0 scale
+# A routed expert's module name, as compressed-tensors' targets and ignore patterns see it.
+_EXPERT_MODULE = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
 # A sanity bound that keeps a corrupt config from allocating per-layer tables without end.
 MAX_LAYERS = 10_000
 
@@ -68,6 +76,11 @@ class ModelConfig:
     num_expert_group: int
     topk_group: int
     hidden_act: str
+    situ_beta: float | None  # SiTU gate beta (None means 1.0)
+    situ_linear_beta: float | None  # SiTU linear-branch beta (None: the plain up projection)
+    attn_res_block_size: int | None  # AttnRes: layers per block (None: plain residual stream)
+    latent_moe_use_norm: bool  # RMSNorm on the latent before routed_expert_up_proj
+    expert_quant: str | None  # "mxfp4" when the checkpoint's routed experts are MXFP4, else None
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_id: int | None
@@ -151,6 +164,15 @@ class _Keys:
             raise ConfigError(f"config key {self._path(key)!r}: expected a finite number, got {v!r:.40}") from None
         return float(v)
 
+    def positive_float(self, key: str, default: float | None = None) -> float:
+        v = self.float(key, default)
+        if v <= 0:
+            raise ConfigError(f"config key {self._path(key)!r}: expected a positive number, got {v}")
+        return v
+
+    def opt_positive_float(self, key: str) -> float | None:
+        return self.positive_float(key) if self.has(key) else None
+
     def bool(self, key: str, default: bool | None = None) -> bool:
         v = self._get(key, default)
         if not isinstance(v, bool):
@@ -165,6 +187,12 @@ class _Keys:
 
     def obj(self, key: str) -> _Keys:
         return _Keys(self._get(key, None), self._path(key))
+
+    def str_list(self, key: str) -> list[str]:
+        v = self._get(key, None)
+        if not isinstance(v, list) or not all(isinstance(i, str) for i in v):
+            raise ConfigError(f"config key {self._path(key)!r}: expected a list of strings, got {v!r:.60}")
+        return v
 
     def int_list(self, key: str) -> list[int]:
         v = self._get(key, None)
@@ -198,6 +226,50 @@ def _layer_kinds(num_layers: int, kda_1based: list[int], mla_1based: list[int], 
             f"missing {missing}"
         )
     return tuple(k for k in kinds if k is not None)
+
+
+def _matches(patterns: list[str], module: str) -> bool:
+    """compressed-tensors matching: "re:<regex>" matched from the start, else a class name or module name."""
+    for p in patterns:
+        if p.startswith("re:"):
+            try:
+                if re.match(p[3:], module):
+                    return True
+            except re.error:
+                raise ConfigError(f"config: quantization pattern {p!r} is not a valid regular expression") from None
+        elif p in ("Linear", module, module.removeprefix("language_model.")):
+            return True
+    return False
+
+
+def _expert_quant(c: _Keys) -> str | None:
+    """"mxfp4" when the quantization_config quantises the routed experts as mxfp4-pack-quantized.
+
+    The config sits under text_config (K3) or at the top; the format may be given per group or
+    once for all groups. Any other format, or MXFP4 with other bits or group size, is refused.
+    """
+    if not c.has("quantization_config"):
+        return None
+    q = c.obj("quantization_config")
+    method = q.str("quant_method", "compressed-tensors")
+    if method != "compressed-tensors":
+        raise ConfigError(f"config key {q._path('quant_method')!r}: expected 'compressed-tensors', got {method!r}")
+    ignore = q.str_list("ignore") if q.has("ignore") else []
+    groups = q.obj("config_groups")
+    found = None
+    for gname in groups.d:
+        g = groups.obj(gname)
+        fmt = g.str("format") if g.has("format") else q.str("format")
+        if fmt != MXFP4_FORMAT:
+            raise ConfigError(f"config key {g._path('format')!r}: expected {MXFP4_FORMAT!r}, got {fmt!r}")
+        w = g.obj("weights")
+        bits, group = w.int("num_bits"), w.int("group_size", MXFP4_GROUP)
+        if bits != 4 or group != MXFP4_GROUP or w.str("type", "float") != "float":
+            raise ConfigError(f"config key {w.where!r}: {MXFP4_FORMAT} needs num_bits 4, group_size "
+                              f"{MXFP4_GROUP}, type float")
+        if _matches(g.str_list("targets"), _EXPERT_MODULE) and not _matches(ignore, _EXPERT_MODULE):
+            found = "mxfp4"
+    return found
 
 
 def parse_config(hf: dict[str, Any]) -> ModelConfig:
@@ -242,12 +314,21 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         # implement only that, so a RoPE config would run wrongly rather than fail.
         raise ConfigError("config key 'mla_use_nope': waste implements NoPE MLA only (mla_use_nope: true); "
                           "this config asks for rotary position embeddings in its MLA layers")
+    latent = c.opt_int("routed_expert_hidden_size")
+    expert_quant = _expert_quant(c if c.has("quantization_config") else top)
+    if expert_quant == "mxfp4":
+        moe_inter = c.int("moe_intermediate_size")
+        for key, width in (("routed_expert_hidden_size" if latent else "hidden_size", latent or c.int("hidden_size")),
+                           ("moe_intermediate_size", moe_inter)):
+            if width % MXFP4_GROUP:
+                raise ConfigError(f"config key {c._path(key)!r}: {width} is not a multiple of {MXFP4_GROUP}, "
+                                  "which MXFP4 routed experts need")
     return ModelConfig(
         model_type=model_type,
         hidden_size=c.int("hidden_size"),
         num_layers=num_layers,
         vocab_size=c.int("vocab_size"),
-        rms_norm_eps=c.float("rms_norm_eps"),
+        rms_norm_eps=c.positive_float("rms_norm_eps"),
         max_position_embeddings=max_pos,
         layer_kinds=kinds,
         kda_num_heads=la.int("num_heads"),
@@ -271,12 +352,17 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         num_experts_per_token=top_k,
         num_shared_experts=c.int("num_shared_experts", 0, minimum=0),
         moe_intermediate_size=c.int("moe_intermediate_size"),
-        routed_expert_hidden_size=c.opt_int("routed_expert_hidden_size"),
+        routed_expert_hidden_size=latent,
         routed_scaling_factor=c.float("routed_scaling_factor", 1.0),
         moe_renormalize=c.bool("moe_renormalize", True),
         num_expert_group=n_group,
         topk_group=topk_group,
         hidden_act=hidden_act,
+        situ_beta=c.opt_positive_float("activation_situ_beta"),
+        situ_linear_beta=c.opt_positive_float("activation_situ_linear_beta"),
+        attn_res_block_size=c.opt_int("attn_res_block_size"),
+        latent_moe_use_norm=latent is not None and c.bool("latent_moe_use_norm", False),
+        expert_quant=expert_quant,
         tie_word_embeddings=c.bool("tie_word_embeddings", False),
         bos_token_id=c.opt_int("bos_token_id", minimum=0),
         eos_token_id=c.opt_int("eos_token_id", minimum=0),

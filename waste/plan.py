@@ -24,18 +24,23 @@ from waste.units import human_bytes, human_count, parse_count, parse_size
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2}
 SCHEMES = ("bf16", "f32", "q8", "q4")
 DEFAULT_SCHEME = "q4"
+# RAM sizes `waste plan` prices the expert cache at when no --ram is given: a 24 GiB laptop and a
+# 512 GiB server.
+DEFAULT_BUDGETS = (24 << 30, 512 << 30)
+
+
 def matrix_bytes(fmt: str, shape: tuple[int, int]) -> int:
     """Bytes one matrix takes in a storage format, read off the format's buffer layout."""
     return sum(int(np.prod(bshape)) * np.dtype(dtype).itemsize for _, dtype, bshape in buffer_layout(fmt, shape))
 
 
-def tensor_bytes(name: str, shape: tuple[int, ...], scheme: str, *, routed_expert: bool = False) -> int:
-    """Bytes of one checkpoint tensor once stored under `scheme` ("bf16": as Hugging Face ships it)."""
+def tensor_bytes(name: str, shape: tuple[int, ...], scheme: str) -> int:
+    """Bytes of one trunk tensor once stored under `scheme` ("bf16": as Hugging Face ships it)."""
     from waste.container.format import storage_of
 
     if scheme == "bf16":
         return int(np.prod(shape)) * 2
-    kind, storage = storage_of(name, shape, scheme, routed_expert=routed_expert)
+    kind, storage = storage_of(name, shape, scheme)
     if kind == "matrix":
         return matrix_bytes(storage, (shape[0], shape[1]))
     return int(np.prod(shape)) * 4
@@ -80,6 +85,7 @@ class WeightBytes:
     experts_total: int
     expert_layers: int
     per_expert: int  # one expert's w1 + w3 + w2 (a container blob, padding included)
+    expert_storage: str  # f32, bf16, q8g, q4g or mxfp4
     by_class: dict[str, int] = field(default_factory=dict)
     source: str = "formula"  # "formula" or "container"
 
@@ -88,7 +94,17 @@ class WeightBytes:
         return self.experts_total // max(self.expert_layers, 1)
 
 
-def formula_weight_bytes(cfg: ModelConfig, scheme: str) -> WeightBytes:
+def planned_expert_storage(cfg: ModelConfig, scheme: str, experts: str | None = None) -> str:
+    """Storage the routed experts are priced in: as convert would store them; under "bf16" (the
+    checkpoint as shipped) bf16, or MXFP4 when the checkpoint's experts are MXFP4."""
+    from waste.container.format import expert_storage
+
+    if scheme == "bf16" and experts is None:
+        return "mxfp4" if cfg.expert_quant == "mxfp4" else "bf16"
+    return expert_storage(cfg, "q8" if scheme == "bf16" else scheme, experts)
+
+
+def formula_weight_bytes(cfg: ModelConfig, scheme: str, experts: str | None = None) -> WeightBytes:
     """Weight bytes priced from the expected tensor table and the formats' layouts."""
     from waste.container.format import expected_expert_tensors, expected_tensors, tensor_class
 
@@ -98,15 +114,15 @@ def formula_weight_bytes(cfg: ModelConfig, scheme: str) -> WeightBytes:
     for name, shape in expected_tensors(cfg).items():
         cls = tensor_class(name, cfg)
         by_class[cls] = by_class.get(cls, 0) + tensor_bytes(name, shape, scheme)
-    per_expert = sum(
-        tensor_bytes(name, shape, scheme, routed_expert=True) for name, shape in expected_expert_tensors(cfg).items()
-    )
+    storage = planned_expert_storage(cfg, scheme, experts)
+    per_expert = sum(matrix_bytes(storage, shape) for shape in expected_expert_tensors(cfg).values())
     n_layers = len(cfg.moe_layers)
     return WeightBytes(
         trunk=sum(by_class.values()),
         experts_total=per_expert * cfg.num_experts * n_layers,
         expert_layers=n_layers,
         per_expert=per_expert,
+        expert_storage=storage,
         by_class=by_class,
         source="formula",
     )
@@ -121,6 +137,7 @@ def container_weight_bytes(container: Any) -> WeightBytes:
         experts_total=int(counts["expert_bytes"]),
         expert_layers=len(cfg.moe_layers),
         per_expert=int(counts["expert_blob_bytes"]),
+        expert_storage=str(counts["expert_storage"]),
         by_class={k: int(v) for k, v in counts.get("per_class", {}).items()},
         source="container",
     )
@@ -149,18 +166,23 @@ class Plan:
         """RAM that must be resident whatever the cache: trunk weights plus session state."""
         return self.weights.trunk + self.state.total
 
+    def cache_room_at(self, ram: int) -> int:
+        """RAM left for the expert cache under a budget of `ram` bytes (negative: does not fit)."""
+        return ram - self.resident
+
+    def experts_fit_at(self, ram: int) -> int:
+        """Routed experts (blobs) an expert cache holds under a budget of `ram` bytes."""
+        total = self.config.num_experts * self.weights.expert_layers
+        return int(min(max(self.cache_room_at(ram), 0) // self.weights.per_expert, total))
+
     @property
     def cache_room(self) -> int | None:
         """RAM left for the expert cache under the budget (negative: does not fit)."""
-        return None if self.ram is None else self.ram - self.resident
+        return None if self.ram is None else self.cache_room_at(self.ram)
 
     @property
     def experts_fit(self) -> int | None:
-        room = self.cache_room
-        if room is None:
-            return None
-        total = self.config.num_experts * self.weights.expert_layers
-        return int(min(max(room, 0) // self.weights.per_expert, total))
+        return None if self.ram is None else self.experts_fit_at(self.ram)
 
     def as_dict(self) -> dict[str, Any]:
         total_experts = self.config.num_experts * self.weights.expert_layers
@@ -186,6 +208,12 @@ class Plan:
             "expert_cache_room_bytes": self.cache_room,
             "experts_fit": self.experts_fit,
             "experts_fit_fraction": None if self.experts_fit is None else self.experts_fit / total_experts,
+            "expert_storage": self.weights.expert_storage,
+            "weights_total_bytes": self.weights.trunk + self.weights.experts_total,
+            "budgets": [{"ram_bytes": ram, "expert_cache_room_bytes": self.cache_room_at(ram),
+                         "experts_fit": self.experts_fit_at(ram),
+                         "experts_fit_fraction": self.experts_fit_at(ram) / total_experts}
+                        for ram in (DEFAULT_BUDGETS if self.ram is None else (self.ram,))],
         }
 
 
@@ -213,6 +241,7 @@ def make_plan(
     state_dtype: str = "f32",
     scheme: str | None = None,
     ram: int | str | None = None,
+    experts: str | None = None,
 ) -> Plan:
     """Plan a preset, config.json or container at one context length."""
     name, cfg, container = load_target(target)
@@ -222,12 +251,15 @@ def make_plan(
     ram_bytes = None if ram is None else parse_size(ram, "--ram")
     if container is not None and scheme not in (None, container.scheme):
         raise WasteError(f"container {name} is stored as {container.scheme!r}; --quant {scheme} does not apply")
+    if container is not None and experts is not None:
+        raise WasteError(f"container {name} stores its experts as {container.expert_storage!r}; --experts does "
+                         "not apply")
     if container is not None:
         weights, used_scheme = container_weight_bytes(container), container.scheme
         container.close()
     else:
         used_scheme = scheme or DEFAULT_SCHEME
-        weights = formula_weight_bytes(cfg, used_scheme)
+        weights = formula_weight_bytes(cfg, used_scheme, experts)
     return Plan(name, cfg, ctx, state_dtype, used_scheme, state_bytes(cfg, ctx, state_dtype), weights, ram_bytes)
 
 
@@ -267,18 +299,18 @@ def format_plan(plan: Plan) -> str:
     for cls, n in sorted(w.by_class.items(), key=lambda kv: -kv[1]):
         lines.append(_row(f"  {cls}", n))
     lines += [
-        _row("routed experts, total", w.experts_total, f"{total_experts:,d} experts"),
+        _row(f"routed experts ({w.expert_storage}), total", w.experts_total, f"{total_experts:,d} experts"),
         _row("routed experts, per layer", w.per_expert_layer, f"{cfg.num_experts} experts x {w.expert_layers} layers"),
         _row("one expert (w1 + w3 + w2)", w.per_expert),
         _row("expert bytes touched per token", plan.touched_per_token,
              f"top-{cfg.num_experts_per_token} x {w.expert_layers} layers"),
+        _row("weights total (trunk + experts)", w.trunk + w.experts_total),
+        _row("resident (trunk + state)", plan.resident),
     ]
-    if plan.ram is not None:
-        room = plan.cache_room or 0
-        fit = plan.experts_fit or 0
+    for ram in DEFAULT_BUDGETS if plan.ram is None else (plan.ram,):
+        room, fit = plan.cache_room_at(ram), plan.experts_fit_at(ram)
         lines += [
-            f"RAM budget {human_bytes(plan.ram)}",
-            _row("resident (trunk + state)", plan.resident),
+            f"RAM budget {human_bytes(ram)}",
             _row("left for the expert cache", max(room, 0), "" if room >= 0 else
                  f"does NOT fit: short by {human_bytes(-room)}"),
             f"  experts that fit: {fit:,d} of {total_experts:,d} ({100.0 * fit / total_experts:.1f}%)",
@@ -303,12 +335,14 @@ def format_sweep(cfg: ModelConfig, plans: list[Plan]) -> str:
 
 
 def cmd_plan(args: Any) -> int:
-    """`waste plan TARGET [--context N] [--ram SIZE] [--state-dtype] [--quant] [--sweep] [--json]`."""
-    plan = make_plan(args.target, context=args.context, state_dtype=args.state_dtype, scheme=args.quant, ram=args.ram)
+    """`waste plan TARGET [--context N] [--ram SIZE] [--state-dtype] [--quant] [--experts] [--sweep] [--json]`."""
+    plan = make_plan(args.target, context=args.context, state_dtype=args.state_dtype, scheme=args.quant, ram=args.ram,
+                     experts=args.experts)
     sweep = None
     if args.sweep:
         sweep = [
-            make_plan(args.target, context=ctx, state_dtype=args.state_dtype, scheme=args.quant, ram=args.ram)
+            make_plan(args.target, context=ctx, state_dtype=args.state_dtype, scheme=args.quant, ram=args.ram,
+                      experts=args.experts)
             for ctx in sweep_contexts(plan.config)
         ]
     if args.json:

@@ -40,17 +40,19 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
 
 
 def tiny_container(tmp: Any, *, quant: str = "f32", dtype: str = "f32", seed: int = 0,
-                   overrides: dict[str, Any] | None = None) -> Path:
-    """Synthesise the tiny model (with config overrides) and convert it; the container's path.
+                   overrides: dict[str, Any] | None = None, preset: str = "tiny",
+                   expert_format: str | None = None) -> Path:
+    """Synthesise a small preset (with config overrides) and convert it; the container's path.
 
     `tmp` is a pytest TempPathFactory (containers are then cached across the session) or a
-    directory to build in.
+    directory to build in. `preset="k3-tiny"` builds K3 (overrides then go under
+    "text_config"); its experts are MXFP4 unless `expert_format` is "f32" or "bf16".
     """
     from waste.container.convert import convert
     from waste.synth import synthesize
 
-    key = json.dumps([quant, dtype, seed, overrides or {}], sort_keys=True)
-    tag = f"tiny-{quant}-{dtype}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    key = json.dumps([quant, dtype, seed, overrides or {}, expert_format], sort_keys=True)
+    tag = f"{preset}-{quant}-{dtype}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     if hasattr(tmp, "getbasetemp"):
         base = Path(tmp.getbasetemp()) / "waste-tiny"
         base.mkdir(exist_ok=True)
@@ -61,8 +63,8 @@ def tiny_container(tmp: Any, *, quant: str = "f32", dtype: str = "f32", seed: in
     cached = _CACHE.get(cache_key)
     if cached is not None and (cached / "manifest.json").is_file():
         return cached
-    cfg = tiny_config(**(overrides or {}))
-    hf = synthesize(cfg, base / f"{tag}-hf", seed=seed, dtype=dtype, force=True)
+    cfg = _merge(preset_dict(preset), overrides or {})
+    hf = synthesize(cfg, base / f"{tag}-hf", seed=seed, dtype=dtype, force=True, expert_format=expert_format)
     out = convert(hf, base / f"{tag}.waste", quant=quant, force=True, progress=False)
     _CACHE[cache_key] = out
     return out

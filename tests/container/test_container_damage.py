@@ -13,7 +13,6 @@ from safetensors.numpy import save_file
 from waste.cli import main
 from waste.container import ContainerError, open_container
 from waste.container.convert import convert
-from waste.errors import WasteError
 from waste.synth import synthesize
 from waste.testing import tiny_container
 
@@ -233,8 +232,3 @@ def test_refuses_to_overwrite_without_force(checkpoint: Path, tmp_path: Path,
     code, err = run_cli(capsys, "synth", "tiny", str(checkpoint))
     assert code == 2 and "exists; pass --force" in err
 
-
-def test_k3_is_for_planning_only(tmp_path: Path) -> None:
-    with pytest.raises(WasteError, match="not supported yet: latent MoE"):
-        synthesize("k3", tmp_path / "k3")
-    assert not (tmp_path / "k3").exists()

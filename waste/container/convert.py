@@ -6,6 +6,11 @@ misshapen tensors are all named. Data is then streamed shard by shard, one tenso
 time, read with plain file reads (not a memory map, so resident memory stays bounded by
 the largest tensor rather than growing with the shard) and decoded through ml_dtypes for
 bfloat16.
+
+K3 checkpoints are read through `k3_layout`: the `language_model.` prefix goes, the vision
+tensors are skipped, both AttnRes spellings and both router-bias spellings are accepted, and
+MXFP4 routed experts (`weight_packed` + `weight_scale`) reach the container byte for byte unless
+`--experts` asks for another storage.
 """
 
 from __future__ import annotations
@@ -22,26 +27,30 @@ import ml_dtypes
 import numpy as np
 
 from waste.config import ModelConfig, load_config_file
+from waste.container import k3_layout
 from waste.container.format import (
     EXPERT_PARTS,
     SCHEMES,
     Shape,
-    a_log_shapes_accepted,
     canonical_name,
-    check_supported,
     expected_expert_tensors,
     expected_tensors,
     expert_name,
+    expert_storage,
     parse_expert_name,
+    shape_accepted,
 )
 from waste.container.writer import ContainerWriter
 from waste.errors import WasteError
+from waste.kernels.quant import from_buffers
 from waste.tokenizer import CONTAINER_DIR as TOKENIZER_DIR
 from waste.tokenizer import file_record, tokenizer_file_bytes
 from waste.units import human_bytes
 
 INDEX = "model.safetensors.index.json"
-_ST_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
+_ST_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
+              "U8": np.dtype(np.uint8)}
+_E8M0_NAN = 255  # the one scale byte that is not a power of two
 _MAX_HEADER = 256 << 20
 
 
@@ -123,27 +132,47 @@ def _names(names: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def inventory(hf_dir: Path, cfg: ModelConfig) -> dict[str, SourceTensor]:
-    """Canonical name -> source tensor, checked against the config's expected tensors and shapes."""
-    found: dict[str, SourceTensor] = {}
-    for path in checkpoint_files(hf_dir):
-        for t in read_header(path):
-            name = canonical_name(t.name, cfg)
-            if name in found:
-                raise WasteError(f"{hf_dir}: tensor {name!r} appears twice ({found[name].path.name}, {path.name})")
-            found[name] = t
-    accepted: dict[str, tuple[Shape, ...]] = {n: (s,) for n, s in expected_tensors(cfg).items()}
-    for n in [n for n in accepted if n.endswith(".self_attn.A_log")]:
-        accepted[n] = a_log_shapes_accepted(cfg)
+def expected_checkpoint_tensors(cfg: ModelConfig) -> dict[str, Shape]:
+    """Every tensor the checkpoint must hold, canonical name -> shape (MXFP4 experts as their two
+    uint8 tensors)."""
+    expected = dict(expected_tensors(cfg))
     parts = expected_expert_tensors(cfg)
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):
             for part in EXPERT_PARTS:
-                accepted[expert_name(layer, e, part)] = (parts[part],)
-    missing = [n for n in accepted if n not in found]
-    unexpected = [n for n in found if n not in accepted]
-    misshapen = [f"{n} {list(t.shape)} (expected {list(accepted[n][0])})" for n, t in found.items()
-                 if n in accepted and t.shape not in accepted[n]]
+                name = expert_name(layer, e, part)
+                if cfg.expert_quant == "mxfp4":
+                    shapes = k3_layout.mxfp4_shapes(parts[part])
+                    for buf, bname in k3_layout.mxfp4_expert_names(name).items():
+                        expected[bname] = shapes[buf]
+                else:
+                    expected[name] = parts[part]
+    return expected
+
+
+def inventory(hf_dir: Path, cfg: ModelConfig) -> tuple[dict[str, SourceTensor], int]:
+    """(canonical name -> source tensor, number of vision tensors skipped), checked against the
+    config's expected tensors, shapes and dtypes (uint8 for MXFP4 buffers only)."""
+    found: dict[str, SourceTensor] = {}
+    skipped = 0
+    k3 = cfg.model_type == "kimi_k3"
+    for path in checkpoint_files(hf_dir):
+        for t in read_header(path):
+            name = k3_layout.canonical(t.name) if k3 else t.name
+            if name is None:
+                skipped += 1
+                continue
+            name = canonical_name(name, cfg)
+            if name in found:
+                raise WasteError(f"{hf_dir}: tensor {name!r} appears twice ({found[name].path.name}, {path.name})")
+            found[name] = t
+    expected = expected_checkpoint_tensors(cfg)
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected]
+    misshapen = [f"{n} {list(t.shape)} (expected {list(expected[n])})" for n, t in found.items()
+                 if n in expected and not shape_accepted(n, t.shape, expected[n], cfg)]
+    mistyped = [f"{n} {t.dtype}" for n, t in found.items()
+                if n in expected and (t.dtype == "U8") != (k3_layout.mxfp4_expert(n) is not None)]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {_names(missing)}")
@@ -151,17 +180,25 @@ def inventory(hf_dir: Path, cfg: ModelConfig) -> dict[str, SourceTensor]:
         problems.append(f"unexpected {len(unexpected)} tensor(s): {_names(unexpected)}")
     if misshapen:
         problems.append(f"misshapen {len(misshapen)} tensor(s): {_names(misshapen)}")
+    if mistyped:
+        problems.append(f"wrong dtype in {len(mistyped)} tensor(s) (U8 is for MXFP4 experts only): "
+                        f"{_names(mistyped)}")
     if problems:
         raise WasteError(f"checkpoint {hf_dir} does not match its config.json: " + "; ".join(problems))
-    return found
+    return found, skipped
 
 
 def read_tensor(f: object, t: SourceTensor) -> np.ndarray:
-    """The tensor's values as float32 in its checkpoint shape (bfloat16 and float16 widen exactly)."""
+    """The tensor's values as float32 in its checkpoint shape (bfloat16 and float16 widen exactly);
+    uint8 tensors (MXFP4 buffers) as their bytes."""
     buf = np.empty(t.nbytes, np.uint8)
     f.seek(t.start)  # type: ignore[attr-defined]
     if f.readinto(buf) != t.nbytes:  # type: ignore[attr-defined]
         raise WasteError(f"{t.path}: truncated while reading tensor {t.name!r}")
+    if t.dtype == "U8":
+        if t.name.endswith(".weight_scale") and np.any(buf == _E8M0_NAN):
+            raise WasteError(f"{t.path}: tensor {t.name!r} holds the E8M0 NaN scale byte 255")
+        return buf.reshape(t.shape)
     values = buf.view(_ST_DTYPES[t.dtype]).reshape(t.shape).astype(np.float32, copy=False)
     if not np.isfinite(values).all():
         raise WasteError(f"{t.path}: tensor {t.name!r} holds NaN or infinite values")
@@ -173,9 +210,12 @@ def _check_a_log(name: str, values: np.ndarray, cfg: ModelConfig, path: Path) ->
         raise WasteError(f"{path}: tensor {name!r} [{values.size}] is not zero past the {cfg.kda_num_heads} heads")
 
 
-def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", force: bool = False,
-            progress: bool = True) -> Path:
-    """Convert a checkpoint directory into a container at `out`; the container's path."""
+def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: str | None = None,
+            force: bool = False, progress: bool = True) -> Path:
+    """Convert a checkpoint directory into a container at `out`; the container's path.
+
+    `experts` (f32, q8, q4, mxfp4) overrides how routed experts are stored; by default MXFP4
+    experts stay MXFP4 byte for byte and others follow `quant`."""
     from tqdm import tqdm
 
     hf_dir, out = Path(hf_dir), Path(out)
@@ -184,18 +224,23 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", force: bo
     if out.exists() and not force:
         raise WasteError(f"{out} exists; pass --force to replace it")
     cfg = load_config_file(hf_dir / "config.json")
-    check_supported(cfg)
-    found = inventory(hf_dir, cfg)
+    expert_storage(cfg, quant, experts)  # a bad --experts fails before any reading
+    found, skipped = inventory(hf_dir, cfg)
     trunk = {n: found[n].shape for n in expected_tensors(cfg)}
+    parts = expected_expert_tensors(cfg)
     by_file: dict[Path, list[tuple[str, SourceTensor]]] = {}
     for name, t in found.items():
         by_file.setdefault(t.path, []).append((name, t))
-    source = {"dtypes": sorted({t.dtype for t in found.values()}), "shards": len(by_file)}
+    source = {"dtypes": sorted({t.dtype for t in found.values()}), "shards": len(by_file),
+              "experts": cfg.expert_quant or "float", "ignored_tensors": skipped}
     tokenizer = tokenizer_file_bytes(hf_dir)
     if tokenizer:
         source["tokenizer"] = file_record(tokenizer)
     total = sum(t.nbytes for t in found.values())
-    with ContainerWriter(out, cfg, quant, trunk, force=force, extra={"source": source}) as w, \
+    # MXFP4 experts arrive as two tensors; the first waits here for the second.
+    pending: dict[tuple[int, int, str], dict[str, np.ndarray]] = {}
+    with ContainerWriter(out, cfg, quant, trunk, experts=experts, force=force,
+                         extra={"source": source}) as w, \
             tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {quant}", file=sys.stderr,
                  disable=not progress, leave=False) as bar:
         for path, items in by_file.items():
@@ -203,7 +248,15 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", force: bo
                 for name, t in sorted(items, key=lambda it: it[1].start):
                     values = read_tensor(f, t)
                     expert = parse_expert_name(name)
-                    if expert is not None:
+                    mx = k3_layout.mxfp4_expert(name)
+                    if mx is not None:
+                        layer, e, part, buf = mx
+                        bufs = pending.setdefault((layer, e, part), {})
+                        bufs[buf] = values
+                        if len(bufs) == len(k3_layout.MXFP4_BUFFERS):
+                            del pending[(layer, e, part)]
+                            w.write_expert(layer, e, part, from_buffers("mxfp4", parts[part], bufs))
+                    elif expert is not None:
                         w.write_expert(expert[0], expert[1], expert[2], values)
                     else:
                         if name.endswith(".self_attn.A_log"):
@@ -216,13 +269,14 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", force: bo
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """`waste convert HF_DIR OUT.waste --quant f32|q8|q4 [--force] [--quiet]`."""
+    """`waste convert HF_DIR OUT.waste --quant f32|q8|q4 [--experts f32|q8|q4|mxfp4] [--force] [--quiet]`."""
     from waste.container.reader import open_container
 
-    out = convert(args.hf_dir, args.out, quant=args.quant, force=args.force, progress=not args.quiet)
+    out = convert(args.hf_dir, args.out, quant=args.quant, experts=args.experts, force=args.force,
+                  progress=not args.quiet)
     with open_container(out) as c:
         counts = c.byte_counts()
     print(f"{out}: scheme {args.quant}, trunk {human_bytes(counts['trunk_bytes'])}, experts "
-          f"{human_bytes(counts['expert_bytes'])} ({counts['expert_layers']} x {counts['num_experts']} blobs of "
-          f"{human_bytes(counts['expert_blob_bytes'])})")
+          f"{counts['expert_storage']} {human_bytes(counts['expert_bytes'])} ({counts['expert_layers']} x "
+          f"{counts['num_experts']} blobs of {human_bytes(counts['expert_blob_bytes'])})")
     return 0

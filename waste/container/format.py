@@ -7,7 +7,8 @@ is the specification; this module is the one place its rules are written as code
 
 - `expected_tensors(cfg)` / `expected_expert_tensors(cfg)`: the names and shapes a model of
   this config has (synth writes them, convert checks them, the reader insists on them);
-- `storage_of(name, shape, scheme)`: how a tensor is stored under a quantisation scheme;
+- `storage_of(name, shape, scheme)`: how a trunk tensor is stored under a quantisation scheme,
+  `expert_storage(cfg, scheme)`: how the routed experts are (MXFP4 stays MXFP4);
 - `span_layout(...)`: where each buffer of a stored tensor sits inside its span;
 - `parse_manifest(data)`: the checked reading of `manifest.json`, which raises nothing but
   `ContainerError` whatever bytes it is given.
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from waste.config import ModelConfig, parse_config
+from waste.config import MXFP4_GROUP, ModelConfig, parse_config
 from waste.errors import WasteError
 from waste.qformat import GROUP, buffer_layout
 
@@ -37,8 +38,13 @@ TRUNK_ALIGN = 64  # every tensor and every buffer starts on a cache line
 BLOB_ALIGN = 4096  # one expert blob = one aligned pread, O_DIRECT-ready
 EXPERT_PARTS = ("w1", "w3", "w2")  # gate, up, down: the order inside a blob
 ROUTER_SUFFIX = "block_sparse_moe.gate.weight"
+# Storage of the routed experts: the scheme's own (f32, q8g, q4g) or MXFP4 kept verbatim.
+EXPERT_STORAGES = ("f32", "q8g", "q4g", "mxfp4")
+_SCHEME_EXPERT_STORAGE = {"f32": "f32", "q8": "q8g", "q4": "q4g"}
 # Group length along K of the grouped formats (docs/QUANT.md), recorded in the tensor table.
-GROUP_SIZE = {"f32": None, "q8g": GROUP, "q4g": GROUP}
+GROUP_SIZE = {"f32": None, "q8g": GROUP, "q4g": GROUP, "mxfp4": MXFP4_GROUP}
+# AttnRes vectors [1, D]: 2-D `.weight` tensors that stay float32 arrays, not matrices.
+RES_PROJ_SUFFIX = "_res_proj.weight"
 _MAX_INT = 1 << 62
 _MAX_LAYERS = 100_000
 
@@ -53,15 +59,17 @@ class ContainerError(WasteError):
 Shape = tuple[int, ...]
 
 
-def check_supported(cfg: ModelConfig) -> None:
-    """Raise WasteError for configs synth/convert cannot handle yet (K3's latent MoE, SiTU)."""
-    if cfg.routed_expert_hidden_size is not None:
-        raise WasteError(
-            f"not supported yet: latent MoE (routed_expert_hidden_size {cfg.routed_expert_hidden_size}); "
-            "this config is for planning only"
-        )
-    if cfg.hidden_act != "silu":
-        raise WasteError(f"not supported yet: hidden_act {cfg.hidden_act!r}; this config is for planning only")
+def expert_storage(cfg: ModelConfig, scheme: str, experts: str | None = None) -> str:
+    """Storage of the routed experts: `experts` (f32, q8, q4 or mxfp4) when asked, else MXFP4 experts
+    stay MXFP4 and others follow the scheme (f32, q8 -> q8g, q4 -> q4g)."""
+    if scheme not in SCHEMES:
+        raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    if experts is None:
+        return "mxfp4" if cfg.expert_quant == "mxfp4" else _SCHEME_EXPERT_STORAGE[scheme]
+    choices = {**_SCHEME_EXPERT_STORAGE, "mxfp4": "mxfp4"}
+    if experts not in choices:
+        raise WasteError(f"unknown expert storage {experts!r}; expected one of {', '.join(choices)}")
+    return choices[experts]
 
 
 def a_log_shape(cfg: ModelConfig) -> Shape:
@@ -72,10 +80,13 @@ def a_log_shape(cfg: ModelConfig) -> Shape:
     return (1, 1, h, 1)
 
 
-def a_log_shapes_accepted(cfg: ModelConfig) -> tuple[Shape, ...]:
-    """Both spellings of A_log convert accepts: [1, 1, H, 1] and [max(H, K)] zero-padded."""
-    h, k = cfg.kda_num_heads, cfg.kda_head_dim
-    return ((1, 1, h, 1), (max(h, k),))
+def shape_accepted(name: str, shape: Shape, expected: Shape, cfg: ModelConfig) -> bool:
+    """Whether a checkpoint or container tensor may have `shape`: the expected one, or for A_log
+    either spelling, [1, 1, H, 1] or [n >= H] (K3 pads it with zeros past H)."""
+    if name.endswith(".self_attn.A_log"):
+        h = cfg.kda_num_heads
+        return tuple(shape) == (1, 1, h, 1) or (len(shape) == 1 and shape[0] >= h)
+    return tuple(shape) == tuple(expected)
 
 
 def _kda_tensors(cfg: ModelConfig, p: str) -> dict[str, Shape]:
@@ -124,6 +135,11 @@ def _ffn_tensors(p: str, d: int, inter: int) -> dict[str, Shape]:
     return {f"{p}gate_proj.weight": (inter, d), f"{p}up_proj.weight": (inter, d), f"{p}down_proj.weight": (d, inter)}
 
 
+def _attn_res_tensors(p: str, d: int) -> dict[str, Shape]:
+    """AttnRes pseudo-query of one mixing point: RMSNorm weight [D] and projection [1, D]."""
+    return {f"{p}_res_norm.weight": (d,), f"{p}_res_proj.weight": (1, d)}
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
     """Every tensor except the routed experts: canonical HF name -> shape, in trunk order.
 
@@ -134,6 +150,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
     t: dict[str, Shape] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for i, kind in enumerate(cfg.layer_kinds):
         p = f"model.layers.{i}."
+        if cfg.attn_res_block_size is not None:
+            t.update(_attn_res_tensors(p + "self_attention", d))
+            t.update(_attn_res_tensors(p + "mlp", d))
         t[p + "input_layernorm.weight"] = (d,)
         t.update(_kda_tensors(cfg, p + "self_attn.") if kind == "kda" else _mla_tensors(cfg, p + "self_attn."))
         t[p + "post_attention_layernorm.weight"] = (d,)
@@ -143,8 +162,16 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
         m = p + "block_sparse_moe."
         t[m + "gate.weight"] = (cfg.num_experts, d)
         t[m + "gate.e_score_correction_bias"] = (cfg.num_experts,)
+        if cfg.routed_expert_hidden_size is not None:
+            r = cfg.routed_expert_hidden_size
+            t[m + "routed_expert_down_proj.weight"] = (r, d)
+            t[m + "routed_expert_up_proj.weight"] = (d, r)
+            if cfg.latent_moe_use_norm:
+                t[m + "routed_expert_norm.weight"] = (r,)
         if cfg.num_shared_experts > 0:
             t.update(_ffn_tensors(m + "shared_experts.", d, cfg.moe_intermediate_size * cfg.num_shared_experts))
+    if cfg.attn_res_block_size is not None:
+        t.update(_attn_res_tensors("model.output_attn", d))
     t["model.norm.weight"] = (d,)
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = (cfg.vocab_size, d)
@@ -181,23 +208,30 @@ def canonical_name(name: str, cfg: ModelConfig) -> str:
 
 
 def is_matrix(name: str, shape: Shape) -> bool:
-    """Weight matrices: every 2-D `*.weight` except the MoE router (which stays exact float32)."""
-    return len(shape) == 2 and name.endswith(".weight") and not name.endswith(ROUTER_SUFFIX)
+    """Weight matrices: every 2-D `*.weight` except the MoE router (which stays exact float32) and
+    the AttnRes projections [1, D] (vectors the mixing reads whole)."""
+    return (len(shape) == 2 and name.endswith(".weight") and not name.endswith(ROUTER_SUFFIX)
+            and not name.endswith(RES_PROJ_SUFFIX))
 
 
-def storage_of(name: str, shape: Shape, scheme: str, *, routed_expert: bool = False) -> tuple[str, str]:
-    """(kind, storage) of a tensor under a scheme: kind "matrix" | "array", storage f32 | q8g | q4g."""
+def storage_of(name: str, shape: Shape, scheme: str) -> tuple[str, str]:
+    """(kind, storage) of a trunk tensor under a scheme: kind "matrix" | "array", storage f32 | q8g.
+
+    Routed experts are stored as `expert_storage` says."""
     if scheme not in SCHEMES:
         raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
-    if not (routed_expert or is_matrix(name, shape)):
+    if not is_matrix(name, shape):
         return "array", "f32"
-    if scheme == "f32":
-        return "matrix", "f32"
-    return "matrix", "q4g" if scheme == "q4" and routed_expert else "q8g"
+    return "matrix", "f32" if scheme == "f32" else "q8g"
 
 
 def tensor_class(name: str, cfg: ModelConfig) -> str:
-    """Byte-count class of a trunk tensor: embedding, lm_head, kda, mla, dense_ffn, shared_experts, router, norms."""
+    """Byte-count class of a trunk tensor: embedding, lm_head, kda, mla, dense_ffn, shared_experts, router,
+    latent_moe (the latent projections and norm), attn_res, norms."""
+    if "_res_norm." in name or "_res_proj." in name:
+        return "attn_res"
+    if ".routed_expert_" in name:
+        return "latent_moe"
     if name == "model.embed_tokens.weight":
         return "embedding"
     if name == "lm_head.weight":
@@ -287,6 +321,7 @@ class ExpertsLayout:
     num_experts: int
     blob_bytes: int
     parts: tuple[TensorEntry, ...]  # w1, w3, w2 with offsets inside the blob
+    storage: str  # one of EXPERT_STORAGES, the same for the three parts
     crc32: np.ndarray | None = None  # [L_moe, E, 3] uint32
 
     @property
@@ -302,7 +337,7 @@ class ExpertsLayout:
 
     def to_json(self) -> dict[str, Any]:
         return {"file": EXPERTS, "layers": list(self.layers), "num_experts": self.num_experts,
-                "blob_bytes": self.blob_bytes, "parts": [p.to_json() for p in self.parts],
+                "blob_bytes": self.blob_bytes, "storage": self.storage, "parts": [p.to_json() for p in self.parts],
                 "crc32": [] if self.crc32 is None else self.crc32.tolist()}
 
 
@@ -317,15 +352,16 @@ def plan_trunk(cfg: ModelConfig, scheme: str, shapes: dict[str, Shape]) -> list[
     return entries
 
 
-def plan_experts(cfg: ModelConfig, scheme: str) -> ExpertsLayout:
+def plan_experts(cfg: ModelConfig, storage: str) -> ExpertsLayout:
     """Blob layout of experts.bin: w1, w3, w2 back to back, each 64-byte aligned, blob 4096-aligned."""
+    if storage not in EXPERT_STORAGES:
+        raise WasteError(f"unknown expert storage {storage!r}; expected one of {', '.join(EXPERT_STORAGES)}")
     parts, pos = [], 0
     for part, shape in expected_expert_tensors(cfg).items():
-        kind, storage = storage_of(part, shape, scheme, routed_expert=True)
-        buffers, span = span_layout(kind, storage, shape)
-        parts.append(TensorEntry(part, EXPERTS, pos, span, shape, kind, storage, buffers))
+        buffers, span = span_layout("matrix", storage, shape)
+        parts.append(TensorEntry(part, EXPERTS, pos, span, shape, "matrix", storage, buffers))
         pos = align(pos + span, TRUNK_ALIGN)
-    return ExpertsLayout(tuple(cfg.moe_layers), cfg.num_experts, align(pos, BLOB_ALIGN), tuple(parts))
+    return ExpertsLayout(tuple(cfg.moe_layers), cfg.num_experts, align(pos, BLOB_ALIGN), tuple(parts), storage)
 
 
 @dataclass(frozen=True)
@@ -396,14 +432,11 @@ def _entry(d: Any, where: str) -> TensorEntry:
                        o.str("storage"), tuple(buffers), crc, o.get("group_size"))
 
 
-def _check_entry(e: TensorEntry, scheme: str, shapes: tuple[Shape, ...], where: str,
-                 *, routed_expert: bool = False) -> None:
-    if e.shape not in shapes:
-        raise ContainerError(f"{where}: tensor {e.name!r} has shape {list(e.shape)}, expected {list(shapes[0])}")
-    kind, storage = storage_of(e.name, e.shape, scheme, routed_expert=routed_expert)
+def _check_entry(e: TensorEntry, kind: str, storage: str, where: str) -> None:
+    """The entry is stored as (kind, storage) with this reader's buffer layout."""
     if (e.kind, e.storage, e.group_size) != (kind, storage, GROUP_SIZE[storage]):
         raise ContainerError(f"{where}: tensor {e.name!r} is stored as {e.kind} {e.storage} (group "
-                             f"{_short(e.group_size)}), scheme {scheme} stores it as {kind} {storage}")
+                             f"{_short(e.group_size)}), expected {kind} {storage}")
     try:
         buffers, span = span_layout(kind, storage, e.shape)
     except WasteError as err:
@@ -448,7 +481,6 @@ def _parse_config(raw: Any, where: str) -> ModelConfig:
             raise ContainerError(f"{where}: config: num_hidden_layers {_short(n)} is not a plausible layer count")
     try:
         cfg = parse_config(raw)
-        check_supported(cfg)
     except WasteError as e:
         raise ContainerError(f"{where}: config: {e}") from None
     except OverflowError as e:  # a number too large for a float, e.g. rms_norm_eps 1e400 written as an integer
@@ -459,9 +491,6 @@ def _parse_config(raw: Any, where: str) -> ModelConfig:
 def _parse_tensors(rows: list[Any], cfg: ModelConfig, scheme: str, trunk_bytes: int,
                    where: str) -> dict[str, TensorEntry]:
     expected = dict(expected_tensors(cfg))
-    accepted = {n: (s,) for n, s in expected.items()}
-    for name in [n for n in expected if n.endswith(".self_attn.A_log")]:
-        accepted[name] = a_log_shapes_accepted(cfg)
     tensors: dict[str, TensorEntry] = {}
     for i, row in enumerate(rows):
         e = _entry(row, f"{where}.tensors[{i}]")
@@ -473,7 +502,10 @@ def _parse_tensors(rows: list[Any], cfg: ModelConfig, scheme: str, trunk_bytes: 
             raise ContainerError(f"{where}: tensor {e.name!r} names file {_short(e.file)}, expected {TRUNK!r}")
         if e.crc32 is None:
             raise ContainerError(f"{where}: tensor {e.name!r} has no crc32")
-        _check_entry(e, scheme, accepted[e.name], where)
+        if not shape_accepted(e.name, e.shape, expected[e.name], cfg):
+            raise ContainerError(f"{where}: tensor {e.name!r} has shape {list(e.shape)}, expected "
+                                 f"{list(expected[e.name])}")
+        _check_entry(e, *storage_of(e.name, e.shape, scheme), where)
         if e.offset % TRUNK_ALIGN:
             raise ContainerError(f"{where}: tensor {e.name!r} offset {e.offset} is not {TRUNK_ALIGN}-byte aligned")
         if e.offset + e.nbytes > trunk_bytes:
@@ -491,13 +523,17 @@ def _parse_tensors(rows: list[Any], cfg: ModelConfig, scheme: str, trunk_bytes: 
 
 
 def _parse_experts(o: _Obj, cfg: ModelConfig, scheme: str, where: str) -> ExpertsLayout:
-    plan = plan_experts(cfg, scheme)
+    # Containers written before MXFP4 experts existed name no storage: theirs follows the scheme.
+    storage = o.str("storage") if "storage" in o.d else _SCHEME_EXPERT_STORAGE[scheme]
+    if storage not in EXPERT_STORAGES:
+        raise ContainerError(f"{o.where}.storage: unknown expert storage {_short(storage)}")
+    plan = plan_experts(cfg, storage)
     if o.str("file") != EXPERTS:
         raise ContainerError(f"{o.where}.file: expected {EXPERTS!r}")
     if o.list("layers") != list(plan.layers) or o.int("num_experts") != plan.num_experts:
         raise ContainerError(f"{o.where}: layers / num_experts do not match the config")
     if o.int("blob_bytes") != plan.blob_bytes:
-        raise ContainerError(f"{o.where}.blob_bytes: {o.d['blob_bytes']}, the {scheme} layout needs {plan.blob_bytes}")
+        raise ContainerError(f"{o.where}.blob_bytes: {o.d['blob_bytes']}, the {storage} layout needs {plan.blob_bytes}")
     rows = o.list("parts")
     if len(rows) != len(plan.parts):
         raise ContainerError(f"{o.where}.parts: expected {len(plan.parts)} parts {EXPERT_PARTS}")
@@ -506,7 +542,10 @@ def _parse_experts(o: _Obj, cfg: ModelConfig, scheme: str, where: str) -> Expert
         if e.name != want.name or e.file != EXPERTS or e.offset != want.offset:
             raise ContainerError(f"{o.where}.parts[{i}]: expected part {want.name!r} in {EXPERTS} at blob offset "
                                  f"{want.offset}")
-        _check_entry(e, scheme, (want.shape,), f"{o.where}.parts[{i}]", routed_expert=True)
+        if e.shape != want.shape:
+            raise ContainerError(f"{o.where}.parts[{i}]: tensor {e.name!r} has shape {list(e.shape)}, expected "
+                                 f"{list(want.shape)}")
+        _check_entry(e, "matrix", storage, f"{o.where}.parts[{i}]")
     shape = (len(plan.layers), plan.num_experts, len(EXPERT_PARTS))
     crc = o.list("crc32")
 
@@ -518,7 +557,7 @@ def _parse_experts(o: _Obj, cfg: ModelConfig, scheme: str, where: str) -> Expert
     if not ok(crc, 0):
         raise ContainerError(f"{o.where}.crc32: expected {list(shape)} unsigned 32-bit CRCs")
     table = np.array(crc, dtype=np.uint32).reshape(shape)
-    return ExpertsLayout(plan.layers, plan.num_experts, plan.blob_bytes, plan.parts, table)
+    return ExpertsLayout(plan.layers, plan.num_experts, plan.blob_bytes, plan.parts, storage, table)
 
 
 def manifest_json(cfg: ModelConfig, scheme: str, tensors: list[TensorEntry], experts: ExpertsLayout,

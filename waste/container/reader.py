@@ -105,6 +105,11 @@ class Container:
     def scheme(self) -> str:
         return self._manifest.scheme
 
+    @property
+    def expert_storage(self) -> str:
+        """Storage of the routed experts: f32, q8g, q4g or mxfp4 (docs/CONTAINER.md)."""
+        return self._manifest.experts.storage
+
     def names(self) -> list[str]:
         """Trunk tensor names in file order (routed experts are reached through `expert`)."""
         return list(self._manifest.tensors)
@@ -180,6 +185,7 @@ class Container:
             "trunk_bytes": self._manifest.file_bytes[TRUNK],
             "expert_bytes": self._manifest.file_bytes[EXPERTS],
             "expert_blob_bytes": ex.blob_bytes,
+            "expert_storage": ex.storage,
             "expert_data_bytes": sum(p.data_bytes for p in ex.parts),
             "expert_layers": len(ex.layers),
             "num_experts": ex.num_experts,
@@ -249,7 +255,7 @@ class Container:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Container({str(self.path)!r}, scheme={self.scheme!r})"
+        return f"Container({str(self.path)!r}, scheme={self.scheme!r}, experts={self.expert_storage!r})"
 
 
 def open_container(path: str | Path) -> Container:

@@ -28,25 +28,33 @@ from waste.container.format import (
     Shape,
     TensorEntry,
     align,
-    check_supported,
+    expert_storage,
     manifest_json,
     plan_experts,
     plan_trunk,
 )
 from waste.errors import WasteError
-from waste.kernels.quant import quantize
+from waste.kernels.quant import QMatrix, quantize
 from waste.tokenizer import write_files
 
 
-def _encode(entry: TensorEntry, value: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(offset in the span, bytes) of each buffer of `value` stored as `entry` says."""
-    value = np.asarray(value)
-    if tuple(value.shape) != entry.shape:
-        raise WasteError(f"tensor {entry.name!r}: shape {list(value.shape)}, planned {list(entry.shape)}")
-    if entry.kind == "array":
-        buffers = {"w": np.ascontiguousarray(value, dtype=np.float32)}
+def _encode(entry: TensorEntry, value: np.ndarray | QMatrix) -> list[tuple[int, np.ndarray]]:
+    """(offset in the span, bytes) of each buffer of `value` stored as `entry` says.
+
+    A QMatrix already in the entry's storage is written verbatim (MXFP4 experts); one in another
+    format is dequantised and stored again (only when convert is asked to)."""
+    if isinstance(value, QMatrix) and value.fmt == entry.storage:
+        if value.shape != entry.shape:
+            raise WasteError(f"tensor {entry.name!r}: shape {list(value.shape)}, planned {list(entry.shape)}")
+        buffers = value.buffers
     else:
-        buffers = quantize(value.astype(np.float32, copy=False), entry.storage).buffers
+        value = value.dequantize() if isinstance(value, QMatrix) else np.asarray(value)
+        if tuple(value.shape) != entry.shape:
+            raise WasteError(f"tensor {entry.name!r}: shape {list(value.shape)}, planned {list(entry.shape)}")
+        if entry.kind == "array":
+            buffers = {"w": np.ascontiguousarray(value, dtype=np.float32)}
+        else:
+            buffers = quantize(value.astype(np.float32, copy=False), entry.storage).buffers
     out = []
     for spec in entry.buffers:
         b = buffers[spec.name]
@@ -79,12 +87,12 @@ class ContainerWriter:
     """Builds NAME.waste/ in a temporary directory; `finish()` writes the manifest and renames.
 
     `shapes` are the trunk tensors in trunk order with the shapes found in the checkpoint
-    (A_log may use either accepted spelling); routed experts follow `plan_experts(cfg)`.
+    (A_log may use either accepted spelling); routed experts follow `plan_experts(cfg, storage)`,
+    their storage `expert_storage(cfg, scheme, experts)` (experts: f32, q8, q4, mxfp4 or None).
     """
 
     def __init__(self, out: str | Path, cfg: ModelConfig, scheme: str, shapes: dict[str, Shape], *,
-                 force: bool = False, extra: dict[str, Any] | None = None):
-        check_supported(cfg)
+                 experts: str | None = None, force: bool = False, extra: dict[str, Any] | None = None):
         self.out = Path(out)
         if self.out.exists() and not force:
             raise WasteError(f"{self.out} exists; pass --force to replace it")
@@ -94,7 +102,7 @@ class ContainerWriter:
         self.entries = {e.name: e for e in plan_trunk(cfg, scheme, shapes)}
         last = max(self.entries.values(), key=lambda e: e.offset)
         self.trunk_bytes = align(last.offset + last.nbytes, TRUNK_ALIGN)
-        self.experts = plan_experts(cfg, scheme)
+        self.experts = plan_experts(cfg, expert_storage(cfg, scheme, experts))
         self.crc: dict[str, int] = {}
         grid = (len(self.experts.layers), self.experts.num_experts, len(EXPERT_PARTS))
         self.expert_crc = np.zeros(grid, np.uint32)
@@ -121,8 +129,9 @@ class ContainerWriter:
             _pwrite_all(self._fds[TRUNK], data, entry.offset + off)
         self.crc[name] = _span_crc(pieces)
 
-    def write_expert(self, layer: int, expert: int, part: str, value: np.ndarray) -> None:
-        """Store one routed expert matrix (part w1, w3 or w2) into its blob."""
+    def write_expert(self, layer: int, expert: int, part: str, value: np.ndarray | QMatrix) -> None:
+        """Store one routed expert matrix (part w1, w3 or w2) into its blob: float values, or a QMatrix
+        (kept verbatim when it is already in the experts' storage)."""
         base = self.experts.blob_offset(layer, expert)
         p = EXPERT_PARTS.index(part)
         idx = (self.experts.layers.index(layer), expert, p)
