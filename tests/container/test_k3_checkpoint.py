@@ -241,3 +241,17 @@ def test_info_shows_the_expert_storage(mxfp4_pair: tuple[Path, Path], capsys: py
     info = json.loads(capsys.readouterr().out)
     assert info["expert_format"] == "mxfp4" and info["model_type"] == "kimi_k3"
     assert info["trunk_formats"]["array f32"] > 0
+
+
+def test_synthesised_router_spreads_tokens_over_the_experts() -> None:
+    from waste.synth import synth_values
+
+    d, e, k = CFG.hidden_size, CFG.num_experts, CFG.num_experts_per_token
+    x = synth_values("model.embed_tokens.weight", (CFG.vocab_size, d), CFG, 0)[:128].astype(np.float64)
+    x /= np.sqrt(np.mean(x**2, axis=1, keepdims=True))
+    for layer in CFG.moe_layers:
+        w = synth_values(f"model.layers.{layer}.block_sparse_moe.gate.weight", (e, d), CFG, 0)
+        chosen = np.argsort(-(x @ w.T), axis=1)[:, :k]
+        counts = np.bincount(chosen.reshape(-1), minlength=e)
+        # every expert is picked, none by more than half of the tokens
+        assert counts.min() > 0 and counts.max() < 0.5 * len(x), counts

@@ -527,7 +527,10 @@ def _parse_experts(o: _Obj, cfg: ModelConfig, scheme: str, where: str) -> Expert
     storage = o.str("storage") if "storage" in o.d else _SCHEME_EXPERT_STORAGE[scheme]
     if storage not in EXPERT_STORAGES:
         raise ContainerError(f"{o.where}.storage: unknown expert storage {_short(storage)}")
-    plan = plan_experts(cfg, storage)
+    try:
+        plan = plan_experts(cfg, storage)
+    except WasteError as err:  # e.g. mxfp4 experts whose width is not a multiple of 32
+        raise ContainerError(f"{o.where}.storage: {err}") from None
     if o.str("file") != EXPERTS:
         raise ContainerError(f"{o.where}.file: expected {EXPERTS!r}")
     if o.list("layers") != list(plan.layers) or o.int("num_experts") != plan.num_experts:
