@@ -255,3 +255,27 @@ def test_synthesised_router_spreads_tokens_over_the_experts() -> None:
         counts = np.bincount(chosen.reshape(-1), minlength=e)
         # every expert is picked, none by more than half of the tokens
         assert counts.min() > 0 and counts.max() < 0.5 * len(x), counts
+
+
+def test_expert_storage_in_the_manifest(mxfp4_pair: tuple[Path, Path], tmp_path: Path,
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    import shutil
+
+    from waste.container import ContainerError
+    from waste.testing import tiny_container
+
+    _, path = mxfp4_pair
+    # an MXFP4 container whose manifest lost experts.storage falls back to the scheme's and is refused
+    broken = shutil.copytree(path, tmp_path / "broken.waste")
+    manifest = json.loads((broken / "manifest.json").read_text())
+    assert manifest["experts"].pop("storage") == "mxfp4"
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ContainerError, match="stored as matrix mxfp4 .* expected matrix f32"):
+        open_container(broken)
+    # a manifest written before MXFP4 existed (no experts.storage) still opens
+    old = shutil.copytree(tiny_container(tmp_path_factory, quant="q4"), tmp_path / "old.waste")
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest["experts"].pop("storage") == "q4g"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with open_container(old) as c:
+        assert c.expert_storage == "q4g"
