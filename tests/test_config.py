@@ -6,6 +6,7 @@ import json
 import pytest
 
 from waste.config import PRESETS, load_config_file, load_preset, parse_config, preset_dict
+from waste.container.k3_layout import MXFP4_QUANTIZATION_CONFIG
 from waste.errors import ConfigError
 
 
@@ -103,15 +104,13 @@ def test_k3_preset_reads_every_k3_field():
     cfg = load_preset("k3")
     assert cfg.attn_res_block_size == 12 and cfg.latent_moe_use_norm
     assert (cfg.situ_beta, cfg.situ_linear_beta) == (4.0, 25.0)
-    assert cfg.expert_quant == "mxfp4" and cfg.routed_expert_hidden_size == 3584
-    q = cfg.raw["text_config"]["quantization_config"]
-    assert q["format"] == "mxfp4-pack-quantized" and "re:.*self_attn.*" in q["ignore"]
+    assert cfg.routed_expert_hidden_size == 3584
 
 
 def test_small_k3_presets_have_the_shapes_tests_and_notebooks_need():
     tiny, mini = load_preset("k3-tiny"), load_preset("k3-mini")
     for cfg in (tiny, mini):
-        assert cfg.model_type == "kimi_k3" and cfg.hidden_act == "situ" and cfg.expert_quant == "mxfp4"
+        assert cfg.model_type == "kimi_k3" and cfg.hidden_act == "situ"
         assert cfg.kda_layers and cfg.mla_layers and cfg.first_k_dense_replace == 1
         # several AttnRes blocks, the last one partial
         assert cfg.num_layers > 2 * cfg.attn_res_block_size and cfg.num_layers % cfg.attn_res_block_size
@@ -129,6 +128,7 @@ def test_small_k3_presets_have_the_shapes_tests_and_notebooks_need():
 
 def _k3(mutate):
     d = copy.deepcopy(preset_dict("k3"))
+    d["text_config"]["quantization_config"] = copy.deepcopy(MXFP4_QUANTIZATION_CONFIG)
     mutate(d["text_config"], d)
     return parse_config(d)
 
@@ -140,6 +140,7 @@ def _quant(text):
 @pytest.mark.parametrize(
     ("mutate", "expected"),
     [
+        (lambda t, d: None, "mxfp4"),
         (lambda t, d: t.pop("quantization_config"), None),
         # the format given once for all groups
         (lambda t, d: _quant(t)["config_groups"]["group_0"].pop("format"), "mxfp4"),

@@ -16,8 +16,8 @@ logits have a standard deviation of about 3 (a clear but not extreme spread). In
 the routed experts write into the latent, so `routed_expert_up_proj` is the residual writer.
 
 A `kimi_k3` config is written in K3's own layout (`waste.container.k3_layout`): names under
-`language_model.`, a few vision tensors, and by default MXFP4 routed experts quantised from the
-same random values, with the quantization_config in config.json.
+`language_model.`, a few vision tensors, and MXFP4 routed experts quantised from the same random
+values (with K3's quantization_config in config.json) when the config or `expert_format` asks.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from waste.config import PRESETS, ModelConfig, load_config_file, load_preset, parse_config, preset_dict
+from waste.config import PRESETS, ModelConfig, load_config_file, load_preset, parse_config
 from waste.container import k3_layout
 from waste.container.format import (
     EXPERT_PARTS,
@@ -51,6 +51,8 @@ from waste.units import human_bytes, parse_size
 DTYPES = {"bf16": ("BF16", ml_dtypes.bfloat16), "f32": ("F32", np.float32)}
 _ST_NUMPY = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "U8": np.uint8}
 EXPERT_FORMATS = ("mxfp4", "bf16", "f32")
+# The MXFP4 codec (waste.kernels.mxfp4, issue 12) lands separately; until then synth writes float experts.
+_MXFP4_READY = False
 INDEX = "model.safetensors.index.json"
 _RESIDUAL_WRITERS = (".o_proj.weight", ".down_proj.weight", ".w2.weight", ".routed_expert_up_proj.weight")
 LOGIT_STD = 3.0
@@ -191,10 +193,13 @@ def _checkpoint_layout(cfg: ModelConfig, dtype: str, expert_format: str | None,
         entries = {n: (expert_dtype if ".experts." in n else st_dtype, s, n, None)
                    for n, s in checkpoint_tensors(cfg).items()}
         return hf, entries
-    expert_format = expert_format or "mxfp4"
+    expert_format = expert_format or ("mxfp4" if cfg.expert_quant == "mxfp4" else dtype)
     mxfp4 = expert_format == "mxfp4"
+    if mxfp4 and not _MXFP4_READY:
+        raise WasteError("MXFP4 experts need the MXFP4 codec, which has not landed yet (issue 12); "
+                         "pass --expert-format bf16 or f32")
     quant = cfg.raw.get("text_config", {}).get("quantization_config") if cfg.expert_quant else None
-    quant = quant or preset_dict("k3")["text_config"]["quantization_config"]
+    quant = quant or k3_layout.MXFP4_QUANTIZATION_CONFIG
     hf = k3_layout.k3_config_json(hf, quant if mxfp4 else None)
     parse_config(hf)  # e.g. MXFP4 experts need widths in whole groups of 32: refuse before writing
     expert_dtype = "U8" if mxfp4 else DTYPES[expert_format][0]
@@ -206,9 +211,9 @@ def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir
                expert_format: str | None = None, attn_res_spelling: str = "canonical") -> Path:
     """Write a random checkpoint (config.json, shards, index) for a config; the directory's path.
 
-    `expert_format` (mxfp4, bf16, f32) is how routed experts are written: by default MXFP4 for a
-    kimi_k3 config (as K3 ships) and `dtype` otherwise. `attn_res_spelling` "dotted" writes K3's
-    AttnRes vectors as `<x>_res.norm_weight` / `.proj_weight`."""
+    `expert_format` (mxfp4, bf16, f32) is how routed experts are written: by default MXFP4 when
+    the config's quantization_config says so (as K3 ships) and `dtype` otherwise.
+    `attn_res_spelling` "dotted" writes K3's AttnRes vectors as `<x>_res.norm_weight` / `.proj_weight`."""
     cfg = resolve_config(cfg_or_preset)
     if dtype not in DTYPES:
         raise WasteError(f"unknown dtype {dtype!r}; expected bf16 or f32")

@@ -84,6 +84,24 @@ def mxfp4_shapes(shape: tuple[int, int]) -> dict[str, tuple[int, int]]:
     return {"packed": (out, inp // 2), "scales": (out, inp // MXFP4_GROUP)}
 
 
+# The quantization_config K3 ships (under text_config): compressed-tensors MXFP4 for every Linear
+# except those its ignore list names, so only the routed experts.
+MXFP4_QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "format": "mxfp4-pack-quantized",
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "symmetric": True,
+                    "dynamic": False, "scale_dtype": "torch.uint8", "observer": "minmax"},
+        "input_activations": None,
+        "output_activations": None,
+    }},
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+    "kv_cache_scheme": None,
+}
 # Tensors a K3 checkpoint keeps in float32 when the rest is bfloat16 (FACTS.md).
 _F32_SUFFIXES = (".A_log", ".dt_bias", "_conv1d.weight", ".o_norm.weight", "e_score_correction_bias")
 # (safetensors dtype, shape, canonical name whose values it holds, MXFP4 buffer or None)
