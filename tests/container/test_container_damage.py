@@ -139,7 +139,7 @@ def _edit_manifest(container: Path, edit) -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d.update(format_version=2), "unknown format version 2 (this reader knows 1)"),
+        (lambda d: d.update(format_version=3), "unknown format version 3 (this reader knows 2)"),
         (lambda d: d.update(magic="SAFETENSORS"), "not a WASTE container"),
         (lambda d: d.update(scheme="q3"), "unknown quantisation scheme 'q3'"),
         (lambda d: d["tensors"][5].update(offset=10**9), "past the end of trunk.bin"),
@@ -150,7 +150,7 @@ def _edit_manifest(container: Path, edit) -> None:
         (lambda d: d["tensors"][3].update(storage="q4g"), "is stored as matrix q4g"),
         (lambda d: d["files"]["trunk.bin"].update(bytes=1), "past the end of trunk.bin (1 bytes)"),
         (lambda d: d["experts"].update(blob_bytes=4096), "experts.blob_bytes"),
-        (lambda d: d["experts"]["crc32"].pop(), "experts.crc32"),
+        (lambda d: d["experts"]["crc32c"].pop(), "experts.crc32c"),
         (lambda d: d["config"].update(num_hidden_layers=-1), "config: config key 'num_hidden_layers'"),
     ],
 )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +27,7 @@ from waste.container.format import (
     ContainerError,
     Manifest,
     TensorEntry,
+    crc32c,
     parse_manifest,
     tensor_class,
 )
@@ -199,8 +199,8 @@ class Container:
         for e in sorted(self._manifest.tensors.values(), key=lambda e: e.offset):
             if np.any(trunk[pos:e.offset]):
                 yield f"{self.trunk_path}: nonzero padding in bytes {pos}..{e.offset} before tensor {e.name!r}"
-            crc = zlib.crc32(trunk[e.offset:e.offset + e.nbytes])
-            if crc != e.crc32:
+            crc = crc32c(trunk[e.offset:e.offset + e.nbytes])
+            if crc != e.crc32c:
                 yield f"{self.trunk_path}: CRC mismatch in tensor {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes})"
             pos = e.offset + e.nbytes
         if np.any(trunk[pos:]):
@@ -215,7 +215,7 @@ class Container:
                     if np.any(self._experts[base + pos:lo]):
                         yield (f"{self.experts_path}: nonzero padding before {EXPERT_PARTS[p]} of expert {e}, "
                                f"layer {layer}")
-                    if zlib.crc32(self._experts[lo:lo + part.nbytes]) != ex.crc32[li, e, p]:
+                    if crc32c(self._experts[lo:lo + part.nbytes]) != ex.crc32c[li, e, p]:
                         yield (f"{self.experts_path}: CRC mismatch in model.layers.{layer}.block_sparse_moe.experts."
                                f"{e}.{part.name}.weight (blob at byte {base})")
                     pos = part.offset + part.nbytes

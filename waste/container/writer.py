@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import zlib
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,6 +27,7 @@ from waste.container.format import (
     Shape,
     TensorEntry,
     align,
+    crc32c,
     expert_storage,
     manifest_json,
     plan_experts,
@@ -73,12 +73,12 @@ def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
 
 
 def _span_crc(pieces: list[tuple[int, np.ndarray]]) -> int:
-    """CRC32 of a span: the buffers with the zero padding between them."""
+    """CRC32C of a span: the buffers with the zero padding between them."""
     crc, pos = 0, 0
     for off, data in pieces:
         if off > pos:
-            crc = zlib.crc32(bytes(off - pos), crc)
-        crc = zlib.crc32(data, crc)
+            crc = crc32c(bytes(off - pos), crc)
+        crc = crc32c(data, crc)
         pos = off + data.nbytes
     return crc
 
@@ -160,8 +160,8 @@ class ContainerWriter:
             os.fsync(fd)
             os.close(fd)
         self._fds.clear()
-        tensors = [dataclasses.replace(e, crc32=self.crc[e.name]) for e in self.entries.values()]
-        experts = dataclasses.replace(self.experts, crc32=self.expert_crc)
+        tensors = [dataclasses.replace(e, crc32c=self.crc[e.name]) for e in self.entries.values()]
+        experts = dataclasses.replace(self.experts, crc32c=self.expert_crc)
         data = manifest_json(self.cfg, self.scheme, tensors, experts, self.trunk_bytes, self.extra)
         with open(self.tmp / MANIFEST, "wb") as f:
             f.write(data)
