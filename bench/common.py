@@ -33,6 +33,7 @@ from threadpoolctl import threadpool_limits
 
 from waste.container import ContainerError, open_container
 from waste.container.convert import convert
+from waste.fileio import write_atomic
 from waste.jit import num_threads
 from waste.synth import synthesize
 
@@ -226,13 +227,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floats: 
 def write_json(path: Path, obj: Any) -> None:
     """Write obj as indented JSON to a temporary name beside `path`, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1, default=_jsonable) + "\n")
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    text = json.dumps(obj, indent=1, default=_jsonable) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode()))
     print(f"wrote {path}")
 
 

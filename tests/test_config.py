@@ -74,6 +74,9 @@ def _broken(mutate):
         (lambda d: d.update(num_hidden_layers=10**9), "'num_hidden_layers': 1000000000 is more than"),
         (lambda d: d.update(mla_use_nope=False), "'mla_use_nope': waste implements NoPE MLA only"),
         (lambda d: d.pop("mla_use_nope"), "'mla_use_nope': waste implements NoPE MLA only"),
+        (lambda d: d.update(rms_norm_eps=0), "'rms_norm_eps': expected a positive number, got 0"),
+        (lambda d: d.update(rms_norm_eps=-1e-6), "'rms_norm_eps': expected a positive number"),
+        (lambda d: d.update(routed_scaling_factor=0.0), "'routed_scaling_factor': expected a positive number"),
     ],
 )
 def test_bad_config_names_the_key(mutate, message):

@@ -8,10 +8,13 @@ this file only declares the arguments and dispatches.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import math
+import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from waste.errors import CheckFailed, WasteError
 
@@ -35,12 +38,54 @@ class _Parser(argparse.ArgumentParser):
         raise WasteError(f"{self.prog}: {message}")
 
 
+def _int(low: int, high: int = (1 << 63) - 1) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (every count and seed is checked before work starts)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{v} is outside {low}..{high}")
+        return v
+
+    return parse
+
+
+def _float(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (or (low, high] with low_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < low or v > high or (low_open and v == low):
+            raise argparse.ArgumentTypeError(f"{text} is outside {'(' if low_open else '['}{low}, {high}]")
+        return v
+
+    return parse
+
+
+SEED = _int(0, (1 << 63) - 1)
+# Tokens one run may add: far above any model's context, low enough that nothing is sized from it first.
+MAX_NEW = _int(0, 1 << 24)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: given after the subcommand it sets args.debug, and never resets one given before it.
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks on errors")
     p = _Parser(prog="waste", description="WASTE research workbench")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    s = sub.add_parser("plan", help="memory plan of a preset, config.json or container")
+    def command(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002 - argparse's own name
+        return sub.add_parser(name, help=help, parents=[common])
+
+    s = command("plan", help="memory plan of a preset, config.json or container")
     s.add_argument("target", help="preset name, path to config.json (or its directory), or a NAME.waste container")
     s.add_argument("--context", default="4K", help="context length in tokens: 4096, 4K, 128K, 1M (default 4K)")
     s.add_argument("--ram", help="RAM budget, e.g. 24G: shows the room left for the expert cache")
@@ -53,10 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sweep", action="store_true", help="context-dependent lines from 1K to the model's maximum")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    s = sub.add_parser("synth", help="write a random Hugging Face style checkpoint for a preset")
+    s = command("synth", help="write a random Hugging Face style checkpoint for a preset")
     s.add_argument("preset", help="preset name or path to a config.json")
     s.add_argument("out_dir")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=SEED, default=0)
     s.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     s.add_argument("--expert-format", choices=("mxfp4", "bf16", "f32"), default=None,
                    help="routed experts: MXFP4 (the default for K3, as it ships) or a float dtype (default --dtype)")
@@ -65,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shard-size", default="512M", help="largest shard before a new one starts (default 512M)")
     s.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
 
-    s = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a NAME.waste container")
+    s = command("convert", help="convert a Hugging Face checkpoint into a NAME.waste container")
     s.add_argument("hf_dir")
     s.add_argument("out")
     s.add_argument("--quant", choices=("f32", "q8", "q4"), default="q8")
@@ -75,14 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    s = sub.add_parser("info", help="summary of a container")
+    s = command("info", help="summary of a container (the manifest only: no data CRCs)")
     s.add_argument("container")
     s.add_argument("--json", action="store_true")
 
-    s = sub.add_parser("verify", help="check every CRC and bound of a container")
+    s = command("verify", help="check every CRC and bound of a container")
     s.add_argument("container")
 
-    s = sub.add_parser("run", help="generate tokens from a container")
+    s = command("run", help="generate tokens from a container")
     s.add_argument("container")
     src = s.add_mutually_exclusive_group()
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -90,32 +135,56 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="text, encoded by the container's tokenizer; the reply streams as text")
     src.add_argument("--chat", help="a user's turn: Kimi's chat template around it (continues a --session-in "
                      "conversation); the reply streams as text and stops at the end of the turn")
-    s.add_argument("--max-new", type=int, default=16)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--prefill-chunk", type=int, default=32)
+    s.add_argument("--max-new", type=MAX_NEW, default=16)
+    # None = not given: a resumed session keeps its saved sampler unless these are given.
+    s.add_argument("--temperature", type=_float(0.0), default=None, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=_float(0.0, 1.0, low_open=True), default=None, help="default 1")
+    s.add_argument("--seed", type=SEED, default=None, help="default 0")
+    s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=32)
     s.add_argument("--router-weights", choices=("unbiased", "biased"), default="unbiased")
     s.add_argument("--logits-out", help="write float32 logits [prompt_len + max_new, vocab] to this .npy")
     s.add_argument("--expert-cache", default=None, help="byte budget of the expert cache (0 disables), e.g. 2G")
     s.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
-    s.add_argument("--read-threads", type=int, default=4)
+    s.add_argument("--read-threads", type=_int(1, 256), default=4)
     s.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT where possible")
     s.add_argument("--trace-out", help="write the routing trace to this .npz")
     s.add_argument("--session-in", help="resume from this session file")
     s.add_argument("--session-out", help="save the session after the run")
+    s.add_argument("--force", action="store_true",
+                   help="let outputs replace existing files that are not earlier outputs of the same kind")
+    s.add_argument("--no-verify", action="store_true",
+                   help="skip the CRC checks of trunk and expert data (the manifest is always checked)")
 
-    s = sub.add_parser("check", help="engine against the float64 oracle, per layer")
+    s = command("check", help="engine against the float64 oracle, per layer")
     s.add_argument("container")
-    s.add_argument("--prompt-len", type=int, default=80)
-    s.add_argument("--new", type=int, default=8)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--prefill-chunk", type=int, default=32)
-    s.add_argument("--tolerance", type=float, default=None, help="relative error allowed (default by scheme)")
+    s.add_argument("--prompt-len", type=_int(1, 1 << 24), default=80)
+    s.add_argument("--new", type=MAX_NEW, default=8)
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=32)
+    s.add_argument("--tolerance", type=_float(0.0, low_open=True), default=None,
+                   help="relative error allowed (default by scheme)")
+    s.add_argument("--no-verify", action="store_true", help="skip the CRC checks of trunk and expert data")
 
-    s = sub.add_parser("demo", help="the whole pipeline on the tiny preset")
+    s = command("demo", help="the whole pipeline on the tiny preset")
     s.add_argument("--work-dir", default=".demo", help="where the synthesised checkpoint and container live")
     return p
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an OSError: the file(s) it names and the system's reason."""
+    reason = e.strerror or errno.errorcode.get(e.errno or 0, "") or str(e)
+    names = [str(f) for f in (e.filename, e.filename2) if f is not None]
+    return f"{' -> '.join(names)}: {reason}" if names else reason
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the flush at exit cannot fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,7 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         module_name, func_name = HANDLERS[args.command].split(":")
         handler = getattr(importlib.import_module(module_name), func_name)
-        return int(handler(args) or 0)
+        code = int(handler(args) or 0)
+        # A full device or a closed pipe on stdout shows up here, inside the handlers below.
+        sys.stdout.flush()
+        return code
     except (WasteError, CheckFailed) as e:
         if debug:
             traceback.print_exc()
@@ -135,7 +207,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("waste: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        _silence_stdout()
         return 0
+    except OSError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"waste: error: {describe_os_error(e)}", file=sys.stderr)
+        if e.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+            _silence_stdout()
+        return 2
 
 
 if __name__ == "__main__":

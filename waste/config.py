@@ -353,7 +353,7 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         num_shared_experts=c.int("num_shared_experts", 0, minimum=0),
         moe_intermediate_size=c.int("moe_intermediate_size"),
         routed_expert_hidden_size=latent,
-        routed_scaling_factor=c.float("routed_scaling_factor", 1.0),
+        routed_scaling_factor=c.positive_float("routed_scaling_factor", 1.0),
         moe_renormalize=c.bool("moe_renormalize", True),
         num_expert_group=n_group,
         topk_group=topk_group,

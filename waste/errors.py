@@ -22,3 +22,9 @@ class CheckFailed(Exception):
     """A numerical check ran and exceeded its tolerance."""
 
     exit_code = 1
+
+
+class NonFiniteError(WasteError):
+    """NaN or infinity appeared in the hidden states or logits: the run stops (exit code 1)."""
+
+    exit_code = 1

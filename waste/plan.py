@@ -225,7 +225,7 @@ def load_target(target: str) -> tuple[str, ModelConfig, Any | None]:
     if (path / "manifest.json").is_file():
         from waste.container.reader import open_container
 
-        container = open_container(path)
+        container = open_container(path, verify=False)  # sizes only: the manifest is enough
         return path.name, container.config, container
     if path.is_file() or (path / "config.json").is_file():
         return path.stem if path.is_file() else path.name, load_config_file(path), None

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -45,6 +43,7 @@ from waste.container.format import (
     expert_name,
 )
 from waste.errors import WasteError
+from waste.fileio import install_dir, recover_stale, remove_tree, temp_dir_for
 from waste.tokenizer import synthetic_tokenizer_files, write_files
 from waste.units import human_bytes, parse_size
 
@@ -220,6 +219,7 @@ def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir
     if shard_bytes < 1:
         raise WasteError(f"shard size must be positive, got {shard_bytes}")
     out = Path(out_dir)
+    recover_stale(out)
     if out.exists() and not force:
         raise WasteError(f"{out} exists; pass --force to replace it")
     if not out.parent.is_dir():
@@ -227,9 +227,7 @@ def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir
     hf, entries = _checkpoint_layout(cfg, dtype, expert_format, attn_res_spelling)
     shards = _plan_shards(entries, shard_bytes)
     values = _Values(cfg, seed, checkpoint_tensors(cfg))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temp_dir_for(out)
     try:
         hf["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
@@ -243,14 +241,9 @@ def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir
             weight_map.update(dict.fromkeys(names, fname))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        install_dir(tmp, out, force=force)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise
     return out
 

@@ -20,7 +20,6 @@ import base64
 import codecs
 import itertools
 import json
-import os
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -30,6 +29,7 @@ from typing import Any
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
+from waste.fileio import write_atomic
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -360,6 +360,4 @@ def write_files(directory: str | Path, files: dict[str, bytes]) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
-        tmp = directory / f".{name}.tmp{os.getpid()}"
-        tmp.write_bytes(data)
-        os.replace(tmp, directory / name)
+        write_atomic(directory / name, lambda f, data=data: f.write(data))

@@ -7,7 +7,8 @@ import re
 from waste.errors import WasteError
 
 _BINARY = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+# A number, then nothing, a unit letter optionally followed by B or iB (4K, 4KB, 4KiB), or a lone B.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?B)?|(B))?\s*$", re.IGNORECASE)
 
 
 def parse_count(text: str | int, what: str = "count") -> int:
@@ -16,9 +17,9 @@ def parse_count(text: str | int, what: str = "count") -> int:
         value = text
     else:
         m = _SIZE.match(str(text))
-        if not m or m.group(3):
+        if not m or m.group(3) or m.group(4):
             raise WasteError(f"{what} {text!r}: expected a whole number such as 4096, 4K, 128K or 1M")
-        value_f = float(m.group(1)) * _BINARY[m.group(2).upper()]
+        value_f = float(m.group(1)) * _BINARY[(m.group(2) or "").upper()]
         if value_f != int(value_f):
             raise WasteError(f"{what} {text!r}: not a whole number of tokens")
         value = int(value_f)
@@ -34,7 +35,7 @@ def parse_size(text: str | int, what: str = "size") -> int:
     m = _SIZE.match(str(text))
     if not m:
         raise WasteError(f"{what} {text!r}: expected a byte size such as 512M, 24G or 24GiB")
-    return int(float(m.group(1)) * _BINARY[m.group(2).upper()])
+    return int(float(m.group(1)) * _BINARY[(m.group(2) or "").upper()])
 
 
 def human_bytes(n: float) -> str:

@@ -57,6 +57,8 @@ class ExpertBlobContainer:
             blob[off:off + len(flat)] = flat
         self.experts_path.write_bytes(blob.tobytes())
         self._map = np.memmap(self.experts_path, np.uint8, "r")
+        self.dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # what the store opens experts.bin in
+        self.verify_data = False  # no CRC table: the data checks belong to the real container
 
     def expert_span(self, layer: int, e: int) -> tuple[int, int]:
         return self.spans[(layer, e)]
@@ -247,10 +249,10 @@ def test_direct_io_open_refused_falls_back(tmp_path, monkeypatch):
     c = ExpertBlobContainer(tmp_path, seed=13)
     real_open = os.open
 
-    def refuse_direct(path, flags, *a):
+    def refuse_direct(path, flags, *a, **kw):
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a)
+        return real_open(path, flags, *a, **kw)
 
     monkeypatch.setattr(ex, "_os_open", refuse_direct)
     monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0x4000), raising=False)
@@ -266,9 +268,9 @@ def test_direct_io_read_einval_falls_back(tmp_path, monkeypatch):
     flag = getattr(os, "O_DIRECT", 0x4000)
     direct_fds = set()
 
-    def fake_direct_open(path, flags, *a):
+    def fake_direct_open(path, flags, *a, **kw):
         # Open buffered whatever the file system allows, but remember the "direct" descriptor.
-        fd = real_open(path, flags & ~flag, *a)
+        fd = real_open(path, flags & ~flag, *a, **kw)
         if flags & flag:
             direct_fds.add(fd)
         return fd

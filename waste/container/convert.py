@@ -42,6 +42,7 @@ from waste.container.format import (
 )
 from waste.container.writer import ContainerWriter
 from waste.errors import WasteError
+from waste.fileio import recover_stale
 from waste.kernels.quant import from_buffers
 from waste.tokenizer import CONTAINER_DIR as TOKENIZER_DIR
 from waste.tokenizer import file_record, tokenizer_file_bytes
@@ -221,8 +222,12 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: 
     hf_dir, out = Path(hf_dir), Path(out)
     if quant not in SCHEMES:
         raise WasteError(f"unknown quantisation scheme {quant!r}; expected one of {', '.join(SCHEMES)}")
+    recover_stale(out)
     if out.exists() and not force:
         raise WasteError(f"{out} exists; pass --force to replace it")
+    src, dst = hf_dir.resolve(), out.resolve()
+    if dst == src or dst in src.parents:
+        raise WasteError(f"{out}: is or contains the checkpoint {hf_dir} being converted; choose another output")
     cfg = load_config_file(hf_dir / "config.json")
     expert_storage(cfg, quant, experts)  # a bad --experts fails before any reading
     found, skipped = inventory(hf_dir, cfg)

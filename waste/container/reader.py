@@ -1,16 +1,22 @@
-"""Reading a container: memory-mapped, checked on open, zero-copy views, CRCs on demand.
+"""Reading a container: memory-mapped, checked on open, zero-copy views, CRCs on first use.
 
-`open_container(path)` checks the manifest (magic, version, config, tensor table against
-`expected_tensors`), the sizes of trunk.bin and experts.bin and every tensor's bounds; what
-it hands out afterwards are read-only NumPy views over the memory maps, so a damaged file
-is reported by name instead of read as garbage. `Container.verify()` reads every byte and
-checks the CRCs and that the padding is zero.
+`open_container(path)` opens the directory once and its three files relative to that handle,
+so a `convert --force` replacing the container meanwhile cannot pair one generation's
+manifest with another's data. It checks the manifest (checksum, magic, version, config,
+tensor table against `expected_tensors`), the sizes of trunk.bin and experts.bin and every
+tensor's bounds, then the CRC32C of every trunk tensor; each expert blob is checked the
+first time it is used (`expert`, or `check_expert` for a blob read into memory). What it
+hands out are read-only NumPy views over the memory maps, so a damaged file is reported by
+name instead of read as garbage. `verify=False` skips the data CRCs (`--no-verify`), never
+the manifest's. `Container.verify()` reads every byte: every CRC, and that padding is zero.
 """
 
 from __future__ import annotations
 
 import hashlib
 import mmap
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -28,43 +34,85 @@ from waste.container.format import (
     Manifest,
     TensorEntry,
     crc32c,
+    expert_name,
     parse_manifest,
     tensor_class,
 )
 from waste.kernels.quant import QMatrix, from_buffers
 
-_CHUNK = 64 << 20  # bytes checked per step when verifying padding
+_MAX_MANIFEST = 1 << 30  # bytes; a manifest is a few MB even for K3
+_DAMAGED = "the container is damaged (`waste verify` lists every problem; --no-verify skips this check)"
 
 
-def _map(path: Path, size: int) -> tuple[np.ndarray, mmap.mmap | None]:
-    """The file as a read-only uint8 array over a memory map (an empty array for an empty file)."""
-    if size == 0:
-        return np.zeros(0, np.uint8), None
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return np.frombuffer(mm, np.uint8), mm
+def _open_dir(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ContainerError(f"{path}: not a container directory (no such directory)") from None
+    except OSError as e:
+        raise ContainerError(f"{path}: cannot open the container directory ({e.strerror})") from None
 
 
 class Container:
     """An open NAME.waste container; see docs/CONTAINER.md."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, verify: bool = True):
         self.path = Path(path)
-        mpath = self.path / MANIFEST
-        if not self.path.is_dir():
-            raise ContainerError(f"{self.path}: not a container directory (no such directory)")
-        try:
-            data = mpath.read_bytes()
-        except FileNotFoundError:
-            raise ContainerError(f"{mpath}: missing; {self.path} is not a WASTE container") from None
-        self._manifest: Manifest = parse_manifest(data, str(mpath))
-        self.manifest_sha256 = hashlib.sha256(data).hexdigest()
+        self.verify_data = verify
         self.trunk_path = self.path / TRUNK
         self.experts_path = self.path / EXPERTS
         self._maps: list[mmap.mmap] = []
         self._closed = False
-        self._trunk = self._open_file(self.trunk_path, self._manifest.file_bytes[TRUNK], self._trunk_owner)
-        self._experts = self._open_file(self.experts_path, self._manifest.file_bytes[EXPERTS], self._expert_owner)
+        self._trunk = self._experts = np.zeros(0, np.uint8)
+        self.dir_fd = _open_dir(self.path)
+        try:
+            data = self._read_manifest()
+            self._manifest: Manifest = parse_manifest(data, str(self.path / MANIFEST))
+            self.manifest_sha256 = hashlib.sha256(data).hexdigest()
+            self._trunk = self._map_file(TRUNK, self._manifest.file_bytes[TRUNK], self._trunk_owner)
+            self._experts = self._map_file(EXPERTS, self._manifest.file_bytes[EXPERTS], self._expert_owner)
+            ex = self._manifest.experts
+            self._expert_checked = np.zeros((len(ex.layers), ex.num_experts), bool)
+            if verify:
+                self._check_trunk()
+        except BaseException:
+            self.close()
+            raise
+
+    def open_member(self, name: str, flags: int = os.O_RDONLY) -> int:
+        """A descriptor of one of the container's files, opened relative to the directory handle
+        (the same generation as the manifest); refuses anything but a regular file."""
+        where = self.path / name
+        try:
+            # O_NONBLOCK: a FIFO planted in place of a file must not block the open.
+            fd = os.open(name, flags | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            raise ContainerError(f"{where}: missing") from None
+        except OSError as e:
+            raise ContainerError(f"{where}: cannot open ({e.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ContainerError(f"{where}: not a regular file")
+        return fd
+
+    def _read_manifest(self) -> bytes:
+        where = self.path / MANIFEST
+        try:
+            fd = self.open_member(MANIFEST)
+        except ContainerError as e:
+            if str(e).endswith(": missing"):
+                raise ContainerError(f"{where}: missing; {self.path} is not a WASTE container") from None
+            raise
+        try:
+            size = os.fstat(fd).st_size
+            if size > _MAX_MANIFEST:
+                raise ContainerError(f"{where}: {size} bytes, larger than any manifest")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read(size + 1)
+        except OSError as e:
+            raise ContainerError(f"{where}: cannot read ({e.strerror})") from None
+        finally:
+            os.close(fd)
 
     def _trunk_owner(self, offset: int) -> str:
         for e in sorted(self._manifest.tensors.values(), key=lambda e: e.offset):
@@ -78,19 +126,44 @@ class Container:
         layer = ex.layers[min(blob // ex.num_experts, len(ex.layers) - 1)]
         return f"expert {blob % ex.num_experts} of layer {layer} (blob at byte {blob * ex.blob_bytes})"
 
-    def _open_file(self, path: Path, size: int, owner: Any) -> np.ndarray:
+    def _map_file(self, name: str, size: int, owner: Any) -> np.ndarray:
+        """The file as a read-only uint8 array over a memory map (an empty array for an empty file)."""
+        path = self.path / name
+        fd = self.open_member(name)
         try:
-            actual = path.stat().st_size
-        except FileNotFoundError:
-            raise ContainerError(f"{path}: missing") from None
-        if actual < size:
-            raise ContainerError(f"{path}: truncated to {actual} of {size} bytes; {owner(actual)} is cut off")
-        if actual > size:
-            raise ContainerError(f"{path}: {actual} bytes, the manifest says {size}")
-        arr, mm = _map(path, size)
-        if mm is not None:
-            self._maps.append(mm)
-        return arr
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise ContainerError(f"{path}: truncated to {actual} of {size} bytes; {owner(actual)} is cut off")
+            if actual > size:
+                raise ContainerError(f"{path}: {actual} bytes, the manifest says {size}")
+            if size == 0:
+                return np.zeros(0, np.uint8)
+            try:
+                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            except OSError as e:
+                raise ContainerError(f"{path}: cannot map ({e.strerror})") from None
+        finally:
+            os.close(fd)
+        self._maps.append(mm)
+        return np.frombuffer(mm, np.uint8)
+
+    def _check_trunk(self) -> None:
+        for e in self._manifest.tensors.values():
+            if crc32c(self._trunk[e.offset:e.offset + e.nbytes]) != e.crc32c:
+                raise ContainerError(f"{self.trunk_path}: CRC mismatch in tensor {e.name!r} (bytes {e.offset}.."
+                                     f"{e.offset + e.nbytes}): {_DAMAGED}")
+
+    def check_expert(self, layer: int, expert: int, blob: np.ndarray) -> None:
+        """Raise ContainerError unless every part of this expert's blob (uint8, in memory) matches
+        its CRC32C."""
+        ex = self._manifest.experts
+        offset = ex.blob_offset(layer, expert)
+        li = ex.layers.index(layer)
+        for p, part in enumerate(ex.parts):
+            if crc32c(blob[part.offset:part.offset + part.nbytes]) != ex.crc32c[li, expert, p]:
+                raise ContainerError(f"{self.experts_path}: CRC mismatch in {expert_name(layer, expert, part.name)} "
+                                     f"(blob at byte {offset}): {_DAMAGED}")
+        self._expert_checked[li, expert] = True
 
     # -- what the manifest says ------------------------------------------------------------
     @property
@@ -160,8 +233,12 @@ class Container:
         return ex.blob_offset(layer, expert), ex.blob_bytes
 
     def expert(self, layer: int, expert: int) -> tuple[QMatrix, QMatrix, QMatrix]:
-        """(w1, w3, w2) of one routed expert: [I, D], [I, D], [D, I], zero-copy over experts.bin."""
-        offset, _ = self.expert_span(layer, expert)
+        """(w1, w3, w2) of one routed expert: [I, D], [I, D], [D, I], zero-copy over experts.bin.
+
+        Its CRCs are checked the first time it is asked for (unless opened with verify=False)."""
+        offset, nbytes = self.expert_span(layer, expert)
+        if self.verify_data and not self._expert_checked[self._manifest.experts.layers.index(layer), expert]:
+            self.check_expert(layer, expert, self._experts[offset:offset + nbytes])
         return self._decode(self._experts, offset)
 
     def decode_expert(self, layer: int, buf: np.ndarray) -> tuple[QMatrix, QMatrix, QMatrix]:
@@ -246,6 +323,9 @@ class Container:
             except BufferError:
                 pass  # a caller still holds a view; the map goes when the view does
         self._maps.clear()
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
 
     def __enter__(self) -> Container:
         return self
@@ -258,6 +338,7 @@ class Container:
         return f"Container({str(self.path)!r}, scheme={self.scheme!r}, experts={self.expert_storage!r})"
 
 
-def open_container(path: str | Path) -> Container:
-    """Open and check a NAME.waste container (magic, version, tensor table, file sizes, bounds)."""
-    return Container(path)
+def open_container(path: str | Path, *, verify: bool = True) -> Container:
+    """Open and check a NAME.waste container (manifest checksum, magic, version, tensor table, file
+    sizes, bounds; with `verify`, the trunk's CRCs now and each expert's when first used)."""
+    return Container(path, verify=verify)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -34,6 +33,7 @@ from waste.container.format import (
     plan_trunk,
 )
 from waste.errors import WasteError
+from waste.fileio import install_dir, recover_stale, remove_tree, temp_dir_for
 from waste.kernels.quant import QMatrix, quantize
 from waste.tokenizer import write_files
 
@@ -98,6 +98,7 @@ class ContainerWriter:
             raise WasteError(f"{self.out} exists; pass --force to replace it")
         if not self.out.parent.is_dir():
             raise WasteError(f"{self.out.parent}: no such directory")
+        self.force = force
         self.cfg, self.scheme, self.extra = cfg, scheme, extra or {}
         self.entries = {e.name: e for e in plan_trunk(cfg, scheme, shapes)}
         last = max(self.entries.values(), key=lambda e: e.offset)
@@ -107,10 +108,8 @@ class ContainerWriter:
         grid = (len(self.experts.layers), self.experts.num_experts, len(EXPERT_PARTS))
         self.expert_crc = np.zeros(grid, np.uint32)
         self.expert_done = np.zeros(grid, bool)
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
+        recover_stale(self.out)
+        self.tmp = temp_dir_for(self.out)
         self._fds: dict[str, int] = {}
         for name, size in ((TRUNK, self.trunk_bytes), (EXPERTS, self.experts.file_bytes)):
             fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -167,12 +166,7 @@ class ContainerWriter:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-        if self.out.exists():
-            os.replace(self.out, old)
-        os.replace(self.tmp, self.out)
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        install_dir(self.tmp, self.out, force=self.force)
         return self.out
 
     def abort(self) -> None:
@@ -180,7 +174,7 @@ class ContainerWriter:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        remove_tree(self.tmp)
 
     def __enter__(self) -> ContainerWriter:
         return self

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -11,17 +10,26 @@ from typing import Any
 import numpy as np
 
 from waste.errors import CheckFailed, WasteError
+from waste.fileio import NPY_MAGIC, check_output, file_starts_with, read_bounded, write_atomic
 from waste.units import human_bytes, parse_size
+
+# A prompt file is token ids as text: a few MB hold a million of them.
+MAX_PROMPT_FILE = 64 << 20
+_MAX_ID = (1 << 62) - 1
 
 
 def parse_ids(text: str, where: str) -> list[int]:
     """Token ids separated by commas and/or whitespace."""
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     try:
-        return [int(p) for p in parts]
+        ids = [int(p) for p in parts]
     except ValueError:
         bad = next(p for p in parts if not p.lstrip("-").isdigit())
         raise WasteError(f"{where}: {bad!r} is not a token id (expected integers such as 1,2,3)") from None
+    bad_ids = [i for i in ids if not 0 <= i <= _MAX_ID]
+    if bad_ids:
+        raise WasteError(f"{where}: token id {bad_ids[0]} is out of range")
+    return ids
 
 
 def _text_args(args: Any) -> bool:
@@ -32,23 +40,41 @@ def _prompt(args: Any) -> list[int]:
     if args.prompt_ids is not None:
         return parse_ids(args.prompt_ids, "--prompt-ids")
     if args.prompt_file is not None:
+        data = read_bounded(args.prompt_file, MAX_PROMPT_FILE, "--prompt-file")
         try:
-            return parse_ids(Path(args.prompt_file).read_text(), f"--prompt-file {args.prompt_file}")
-        except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
-            raise WasteError(f"--prompt-file {args.prompt_file}: cannot read it") from None
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise WasteError(f"--prompt-file {args.prompt_file}: not text") from None
+        return parse_ids(text, f"--prompt-file {args.prompt_file}")
     return []
 
 
 def save_npy_atomic(path: str | Path, array: np.ndarray) -> None:
     """np.save to a temporary name, then rename into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, lambda f: np.save(f, array))
+
+
+def _output_paths(args: Any) -> list[tuple[str, Path]]:
+    """Check every output path before the prompt runs (see waste.fileio.check_output)."""
+    from waste.engine.session import is_session_file
+    from waste.engine.trace import is_trace_file
+
+    kinds = (("--logits-out", args.logits_out, lambda p: file_starts_with(p, NPY_MAGIC)),
+             ("--trace-out", args.trace_out, is_trace_file),
+             ("--session-out", args.session_out, is_session_file))
+    out = [(flag, check_output(path, flag, args.force, same_kind)) for flag, path, same_kind in kinds if path]
+    resolved = [p.resolve() for _, p in out]
+    if len(set(resolved)) != len(resolved):
+        raise WasteError("two outputs name the same file")
+    return out
+
+
+def _sampler(args: Any, saved: dict[str, Any] | None) -> Any:
+    """The saved sampler of a resumed session with any option given on this command line applied on top."""
+    from waste.engine.sampling import Sampler
+
+    sampler = Sampler.from_state(saved) if saved else Sampler()
+    return sampler.with_options(args.temperature, args.top_p, args.seed)
 
 
 def cmd_run(args: Any) -> int:
@@ -56,25 +82,24 @@ def cmd_run(args: Any) -> int:
     from waste.engine.experts import open_expert_store
     from waste.engine.model import Model
     from waste.engine.runner import generate
-    from waste.engine.sampling import Sampler
     from waste.engine.text import chat_turn_ids, text_printer
     from waste.engine.trace import TraceRecorder
     from waste.tokenizer import require_tokenizer
 
-    if args.max_new < 0:
-        raise WasteError(f"--max-new {args.max_new}: must not be negative")
-    if args.read_threads < 1:
-        raise WasteError(f"--read-threads {args.read_threads}: must be at least 1")
-    container = open_container(args.container)
+    budget = None if args.expert_cache is None else parse_size(args.expert_cache, "--expert-cache")
+    outputs = dict(_output_paths(args))
+    container = open_container(args.container, verify=not args.no_verify)
     tokenizer = require_tokenizer(args.container) if _text_args(args) else None
     prompt = tokenizer.encode(args.prompt) if getattr(args, "prompt", None) is not None else _prompt(args)
-    budget = None if args.expert_cache is None else parse_size(args.expert_cache, "--expert-cache")
+    cfg = container.config
+    if len(prompt) + args.max_new > cfg.max_position_embeddings:
+        raise WasteError(f"context of {len(prompt) + args.max_new} tokens (prompt {len(prompt)} + --max-new "
+                         f"{args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
     store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.direct_io)
     model = Model(container, store=store, router_weights=args.router_weights)
     if args.session_in:
         session = model.load_session(args.session_in)
-        sampler = Sampler.from_state(session.sampler_state) if session.sampler_state else Sampler(
-            args.temperature, args.top_p, args.seed)
+        sampler = _sampler(args, session.sampler_state)
         if getattr(args, "chat", None) is not None:
             prompt = chat_turn_ids(tokenizer, args.chat, continuing=session.position > 0,
                                    last_token=session.tokens[-1] if session.position else None)
@@ -84,10 +109,9 @@ def cmd_run(args: Any) -> int:
         if not prompt:
             raise WasteError("the prompt is empty: give --prompt-ids or --prompt-file")
         session = model.new_session(capacity=len(prompt) + args.max_new)
-        sampler = Sampler(args.temperature, args.top_p, args.seed)
+        sampler = _sampler(args, None)
     if not prompt and session.last_logits is None:
         raise WasteError(f"session {args.session_in} has no tokens to continue from; give --prompt-ids")
-    cfg = container.config
     needed = session.position + len(prompt) + args.max_new
     if needed > cfg.max_position_embeddings:
         raise WasteError(f"context of {needed} tokens (session {session.position} + prompt {len(prompt)} + "
@@ -98,6 +122,20 @@ def cmd_run(args: Any) -> int:
                    all_prompt_logits=bool(args.logits_out), on_token=on_token)
     if finish is not None:
         finish()
+    # Outputs before the summary, each tried even if one before it failed.
+    writers = {"--logits-out": lambda p: save_npy_atomic(p, run.all_logits().astype(np.float32)),
+               "--trace-out": lambda p: recorder.save(p),
+               "--session-out": lambda p: session.save(p)}
+    written, failures = [], []
+    for flag, path in outputs.items():
+        try:
+            writers[flag](path)
+            written.append(f"{flag.removeprefix('--').removesuffix('-out')}: {path}")
+            if flag == "--session-out":
+                written[-1] += (f" at position {session.position} "
+                                f"(state {human_bytes(sum(session.state_bytes.values()))})")
+        except OSError as e:
+            failures.append(f"{flag} {path}: {e.strerror or e}")
     print("generated:", ",".join(str(t) for t in run.generated))
     print(f"prefill: {run.prompt_len} tokens in {run.prefill_seconds:.3f} s ({run.prefill_tps:.1f} tok/s); "
           f"decode: {len(run.generated)} tokens in {run.decode_seconds:.3f} s ({run.decode_tps:.1f} tok/s)")
@@ -105,19 +143,12 @@ def cmd_run(args: Any) -> int:
         print(f"prefill expert dedup ratio (token-expert pairs per unique expert fetched): "
               f"{np.mean(model.times.dedup):.2f}")
     print(store.stats.format_table())
-    if args.logits_out:
-        save_npy_atomic(args.logits_out, run.all_logits().astype(np.float32))
-        print(f"logits: {args.logits_out}")
-    if recorder is not None:
-        recorder.save(args.trace_out)
-        print(f"trace: {args.trace_out}")
-    if args.session_out:
-        session.save(args.session_out)
-        sizes = session.state_bytes
-        print(f"session: {args.session_out} at position {session.position} "
-              f"(state {human_bytes(sum(sizes.values()))})")
+    for line in written:
+        print(line)
     store.close()
     container.close()
+    if failures:
+        raise WasteError("; ".join(failures))
     return 0
 
 
@@ -125,9 +156,7 @@ def cmd_check(args: Any) -> int:
     from waste.container.reader import open_container
     from waste.engine.check import check_against_oracle
 
-    if args.prompt_len < 1 or args.new < 0:
-        raise WasteError("--prompt-len must be at least 1 and --new not negative")
-    container = open_container(args.container)
+    container = open_container(args.container, verify=not args.no_verify)
     cfg = container.config
     if args.prompt_len + args.new > cfg.max_position_embeddings:
         raise WasteError(f"--prompt-len + --new = {args.prompt_len + args.new} exceeds the model's capacity "

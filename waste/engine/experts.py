@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from waste.container.format import EXPERTS
 from waste.errors import WasteError
 from waste.kernels.quant import QMatrix
 from waste.units import human_bytes
@@ -290,6 +291,7 @@ class StreamingExpertStore(ExpertStore):
         self.read_threads = int(read_threads)
         self.io_note = ""
         self._path = container.experts_path
+        self._verify = bool(container.verify_data)
         self._cache = _ExpertCache(self.budget_bytes, policy)
         self._lock = threading.Lock()
         self._retired_fds: list[int] = []
@@ -320,9 +322,9 @@ class StreamingExpertStore(ExpertStore):
             order = sorted(missing, key=lambda i: spans[i][0])
             t0 = time.perf_counter()
             if self._pool is not None and len(order) > 1:
-                bufs = list(self._pool.map(lambda i: self._read(*spans[i]), order))
+                bufs = list(self._pool.map(lambda i: self._fetch(layer, ids[i], *spans[i]), order))
             else:
-                bufs = [self._read(*spans[i]) for i in order]
+                bufs = [self._fetch(layer, ids[i], *spans[i]) for i in order]
             st.read_seconds += time.perf_counter() - t0
             for i, buf in zip(order, bufs, strict=True):
                 w1, w3, w2 = self.container.decode_expert(layer, buf)
@@ -355,13 +357,13 @@ class StreamingExpertStore(ExpertStore):
                 self.io_note = "O_DIRECT is not available on this platform"
             else:
                 try:
-                    fd = _os_open(self._path, os.O_RDONLY | flag)
+                    fd = _os_open(EXPERTS, os.O_RDONLY | flag, dir_fd=self.container.dir_fd)
                     self.io_mode = "direct"
                     return fd
                 except OSError as e:
                     self.io_note = f"O_DIRECT open refused ({e.strerror})"
         try:
-            fd = _os_open(self._path, os.O_RDONLY)
+            fd = _os_open(EXPERTS, os.O_RDONLY, dir_fd=self.container.dir_fd)
         except OSError as e:
             raise WasteError(f"expert file {self._path}: {e.strerror}") from None
         self.io_mode = "buffered"
@@ -378,6 +380,13 @@ class StreamingExpertStore(ExpertStore):
             self._retired_fds.append(failed_fd)
             self._fd = fd
             self.io_note = note
+
+    def _fetch(self, layer: int, expert: int, offset: int, nbytes: int) -> np.ndarray:
+        """Read one blob and check its CRCs (in the reader thread: the CRC releases the GIL)."""
+        buf = self._read(offset, nbytes)
+        if self._verify:
+            self.container.check_expert(layer, expert, buf)
+        return buf
 
     def _read(self, offset: int, nbytes: int) -> np.ndarray:
         buf = _aligned_buffer(nbytes)

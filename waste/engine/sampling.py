@@ -13,8 +13,8 @@ class Sampler:
     """Chooses tokens from logits; its random state can be saved and restored exactly."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
-        if temperature < 0:
-            raise WasteError(f"--temperature {temperature}: must be 0 (greedy) or positive")
+        if not temperature >= 0 or temperature == float("inf"):
+            raise WasteError(f"--temperature {temperature}: must be 0 (greedy) or a finite positive number")
         if not 0.0 < top_p <= 1.0:
             raise WasteError(f"--top-p {top_p}: must lie in (0, 1]")
         self.temperature = float(temperature)
@@ -39,6 +39,15 @@ class Sampler:
 
     def get_state(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "rng": self.rng.bit_generator.state}
+
+    def with_options(self, temperature: float | None, top_p: float | None, seed: int | None) -> Sampler:
+        """This sampler with the options that were given (not None) replacing its own; a seed restarts
+        the random stream, otherwise a resumed stream continues where it was saved."""
+        out = Sampler(self.temperature if temperature is None else temperature,
+                      self.top_p if top_p is None else top_p, 0 if seed is None else seed)
+        if seed is None:
+            out.rng.bit_generator.state = self.rng.bit_generator.state
+        return out
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Sampler:

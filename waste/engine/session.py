@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from waste.errors import WasteError
+from waste.fileio import write_atomic
 
 SESSION_MAGIC = "WASTE-SESSION"
 SESSION_VERSION = 1
@@ -88,23 +91,40 @@ class Session:
             "sampler_state": self.sampler_state,
             "sha256": {name: _digest(a) for name, a in arrays.items()},
         }
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, lambda f: np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                                              **arrays))
+
+
+def _open_regular(path: Path) -> Any:
+    """The file opened for reading, refusing FIFOs and devices (np.load would block or read forever)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise WasteError(f"session file {path}: no such file") from None
+    except OSError as e:
+        raise WasteError(f"session file {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise WasteError(f"session file {path}: not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def is_session_file(path: str | Path) -> bool:
+    """Whether `path` is a waste session (by its metadata only; an earlier --session-out may be replaced)."""
+    try:
+        with _open_regular(Path(path)) as f, np.load(f, allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+        return isinstance(meta, dict) and meta.get("magic") == SESSION_MAGIC
+    except Exception:  # noqa: BLE001 - any failure to read it means "not a session"
+        return False
 
 
 def read_session_file(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read and check a session file: (meta, arrays). Damage is a WasteError naming the file."""
     path = Path(path)
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with _open_regular(path) as f, np.load(f, allow_pickle=False) as z:
             arrays = {name: z[name] for name in z.files}
-    except FileNotFoundError:
-        raise WasteError(f"session file {path}: no such file") from None
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
         raise WasteError(f"session file {path}: damaged or not a session ({type(e).__name__})") from None
     try:
@@ -116,10 +136,81 @@ def read_session_file(path: str | Path) -> tuple[dict[str, Any], dict[str, np.nd
     if meta.get("version") != SESSION_VERSION:
         raise WasteError(f"session file {path}: version {meta.get('version')!r} is not supported "
                          f"(this waste reads version {SESSION_VERSION})")
-    digests = meta.get("sha256", {})
-    if set(digests) != set(arrays):
+    digests = meta.get("sha256")
+    if not isinstance(digests, dict) or set(digests) != set(arrays):
         raise WasteError(f"session file {path}: array set does not match its checksum table")
     for name, a in arrays.items():
         if _digest(a) != digests[name]:
             raise WasteError(f"session file {path}: checksum mismatch in {name!r}")
     return meta, arrays
+
+
+def _fail(path: str | Path, what: str) -> WasteError:
+    return WasteError(f"session file {path}: {what}")
+
+
+def _check_sampler_state(state: Any, path: str | Path) -> None:
+    """A saved sampler state: finite temperature >= 0, top_p in (0, 1], a PCG64 state of integers."""
+    if state is None:
+        return
+    ok = isinstance(state, dict) and set(state) == {"temperature", "top_p", "rng"}
+    if ok:
+        t, p, rng = state["temperature"], state["top_p"], state["rng"]
+        ok = (all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (t, p))
+              and t >= 0 and 0 < p <= 1 and isinstance(rng, dict) and rng.get("bit_generator") == "PCG64"
+              and isinstance(rng.get("state"), dict)
+              and all(isinstance(rng["state"].get(k), int) for k in ("state", "inc"))
+              and isinstance(rng.get("has_uint32"), int) and isinstance(rng.get("uinteger"), int))
+    if not ok:
+        raise _fail(path, "sampler_state is malformed")
+
+
+def restore_session(session: Session, meta: dict[str, Any], arrays: dict[str, np.ndarray], vocab_size: int,
+                    path: str | Path) -> Session:
+    """Fill a fresh `session` (of the right model) from a file's checked meta and arrays.
+
+    Every array must have exactly the dtype and shape the model's own state has (nothing is
+    broadcast into place), hold finite values, and agree with the others: as many tokens as
+    the position, each inside the vocabulary, and an MLA cache row per token.
+    """
+    expected = {"tokens", *(f"kda{i}.{part}" for i in session.kda for part in ("recurrent", "conv")),
+                *(f"mla{i}.latent" for i in session.mla)}
+    names = set(arrays)
+    if names - {"last_logits"} != expected:
+        extra, missing = sorted(names - expected - {"last_logits"}), sorted(expected - names)
+        raise _fail(path, f"does not match this model's layers (unexpected {extra[:3]}, missing {missing[:3]})")
+    tokens = arrays["tokens"]
+    position = meta.get("position")
+    if tokens.dtype != np.int64 or tokens.ndim != 1 or isinstance(position, bool) or position != tokens.size:
+        raise _fail(path, "tokens must be int64 [position]")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise _fail(path, f"a token id lies outside the vocabulary 0..{vocab_size - 1}")
+    if ("last_logits" in arrays) != (tokens.size > 0):
+        raise _fail(path, "last_logits must be present exactly when tokens are")
+    shapes = {"last_logits": (vocab_size,)}
+    for i, state in session.kda.items():
+        shapes[f"kda{i}.recurrent"] = state.base.shape
+        shapes[f"kda{i}.conv"] = state.conv.shape
+    for i, cache in session.mla.items():
+        shapes[f"mla{i}.latent"] = (tokens.size, cache.latent.shape[1])
+    for name, shape in shapes.items():
+        a = arrays.get(name)
+        if a is None:
+            continue
+        if a.dtype != np.float32 or a.shape != tuple(shape):
+            raise _fail(path, f"{name!r} is {a.dtype} {list(a.shape)}, this model needs float32 {list(shape)}")
+        if not np.isfinite(a).all():
+            raise _fail(path, f"{name!r} holds NaN or infinite values")
+    _check_sampler_state(meta.get("sampler_state"), path)
+    session.ensure_capacity(max(tokens.size, 1))
+    for i, state in session.kda.items():
+        state.recurrent[...] = arrays[f"kda{i}.recurrent"]
+        state.conv[...] = arrays[f"kda{i}.conv"]
+    for i, cache in session.mla.items():
+        latent = arrays[f"mla{i}.latent"]
+        cache.latent[: len(latent)] = latent
+        cache.length = len(latent)
+    session.tokens = [int(t) for t in tokens]
+    session.last_logits = arrays.get("last_logits")
+    session.sampler_state = meta.get("sampler_state")
+    return session

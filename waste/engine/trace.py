@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from waste.errors import WasteError
+from waste.fileio import write_atomic
 
 TRACE_FORMAT = "waste-trace"
 TRACE_VERSION = 1
@@ -269,7 +269,8 @@ class Trace:
             "weights": self.weights.astype(np.float32),
             "hit": self.hit.astype(bool),
         }
-        _atomic_write(Path(path), lambda f: np.savez_compressed(f, **arrays))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: np.savez_compressed(f, **arrays))
 
 
 class TraceRecorder:
@@ -383,6 +384,15 @@ def expand_hits(ids: np.ndarray, unique_ids: np.ndarray, unique_hits: np.ndarray
     return np.asarray(unique_hits, bool)[pos]
 
 
+def is_trace_file(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` holds a waste routing trace (an earlier --trace-out may be replaced)."""
+    try:
+        load(path)
+    except WasteError:
+        return False
+    return True
+
+
 def load(path: str | os.PathLike[str]) -> Trace:
     """Read a trace written by Trace.save; refuses unknown versions and damaged files."""
     path = Path(path)
@@ -431,17 +441,3 @@ def _run_starts(step: np.ndarray, layer: np.ndarray) -> np.ndarray:
     """Indices where a new (step, layer) run of rows begins."""
     change = (step[1:] != step[:-1]) | (layer[1:] != layer[:-1])
     return np.concatenate([[0], np.flatnonzero(change) + 1]).astype(np.int64)
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

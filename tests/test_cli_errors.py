@@ -1,0 +1,143 @@
+"""Bad arguments and failing systems: one line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from waste import cli
+from waste.cli import main
+from waste.testing import tiny_container
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_container(tmp_path_factory)
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], code: int = 2) -> str:
+    got = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert got == code, (argv, err)
+    assert err.startswith("waste: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("exc", [
+    PermissionError(errno.EACCES, "Permission denied", "/x/y"),
+    IsADirectoryError(errno.EISDIR, "Is a directory", "/x"),
+    NotADirectoryError(errno.ENOTDIR, "Not a directory", "/x/y"),
+    OSError(errno.ELOOP, "Too many levels of symbolic links", "/loop"),
+    OSError(errno.ENOSPC, "No space left on device", "/full/f.npy"),
+    OSError(errno.EBUSY, "Device or resource busy", "/busy", None, "/busy2"),
+    OSError(errno.EIO, "Input/output error"),
+])
+def test_every_os_error_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                    exc: OSError) -> None:
+    def handler(args: object) -> int:
+        raise exc
+
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: type("M", (), {"cmd_info": handler}))
+    err = one_line_error(capsys, ["info", "x.waste"])
+    assert exc.strerror in err
+    if exc.filename:
+        assert str(exc.filename) in err
+
+
+def test_real_os_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], container: Path) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert "loop" in one_line_error(capsys, ["info", str(loop)])
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    assert "not a container directory" in one_line_error(capsys, ["info", str(afile / "sub")])
+    err = one_line_error(capsys, ["run", str(container), "--prompt-file", str(tmp_path), "--max-new", "1"])
+    assert "not a regular file" in err
+
+
+def test_stdout_on_a_full_device() -> None:
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "waste.cli", "plan", "tiny"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == "waste: error: No space left on device", proc.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["synth", "tiny", "out", "--seed", "-1"],
+    ["run", "C", "--prompt-ids", "1", "--seed", "-1"],
+    ["run", "C", "--prompt-ids", "1", "--temperature", "nan"],
+    ["run", "C", "--prompt-ids", "1", "--temperature", "-1"],
+    ["run", "C", "--prompt-ids", "1", "--top-p", "0"],
+    ["run", "C", "--prompt-ids", "1", "--top-p", "inf"],
+    ["run", "C", "--prompt-ids", "1", "--max-new", "1000000000"],
+    ["run", "C", "--prompt-ids", "1", "--max-new", "-1"],
+    ["run", "C", "--prompt-ids", "1", "--prefill-chunk", "0"],
+    ["run", "C", "--prompt-ids", "1", "--read-threads", "0"],
+    ["run", "C", "--prompt-ids", "9223372036854775808"],
+    ["run", "C", "--prompt-ids", "1", "--expert-cache", "5iB"],
+    ["check", "C", "--tolerance", "nan"],
+    ["check", "C", "--tolerance", "-1"],
+    ["check", "C", "--prompt-len", "0"],
+    ["plan", "tiny", "--ram", "5iB"],
+])
+def test_bad_numbers_refused_before_any_work(capsys: pytest.CaptureFixture[str], container: Path,
+                                             argv: list[str]) -> None:
+    argv = [str(container) if a == "C" else a for a in argv]
+    one_line_error(capsys, argv)
+
+
+def test_max_new_checked_against_the_context_before_allocating(capsys: pytest.CaptureFixture[str],
+                                                               container: Path) -> None:
+    err = one_line_error(capsys, ["run", str(container), "--prompt-ids", "1", "--max-new", str(1 << 24)])
+    assert "exceeds the model's capacity" in err
+
+
+def test_debug_accepted_after_the_subcommand(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["info", str(tmp_path / "none.waste"), "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_unbounded_prompt_files_refused(capsys: pytest.CaptureFixture[str], container: Path, tmp_path: Path,
+                                        special: str) -> None:
+    if special == "fifo":
+        special = str(tmp_path / "fifo")
+        os.mkfifo(special)
+    err = one_line_error(capsys, ["run", str(container), "--prompt-file", special, "--max-new", "1"])
+    assert "not a regular file" in err
+
+
+def test_outputs_refuse_foreign_files_before_the_prompt_runs(capsys: pytest.CaptureFixture[str], container: Path,
+                                                             tmp_path: Path) -> None:
+    precious = tmp_path / "manifest.json"
+    precious.write_text("{}")
+    run = ["run", str(container), "--prompt-ids", "1,2", "--max-new", "1"]
+    for flag in ("--logits-out", "--session-out", "--trace-out"):
+        err = one_line_error(capsys, [*run, flag, str(precious)])
+        assert "not an earlier" in err and "--force" in err
+        assert "generated" not in capsys.readouterr().out
+    assert precious.read_text() == "{}"
+    err = one_line_error(capsys, [*run, "--logits-out", str(tmp_path / "no" / "l.npy")])
+    assert "does not exist" in err
+    # The user's own earlier outputs of the same kind are replaced without --force.
+    logits, session = tmp_path / "l.npy", tmp_path / "s.npz"
+    assert main([*run, "--logits-out", str(logits), "--session-out", str(session)]) == 0
+    assert main([*run, "--logits-out", str(logits), "--session-out", str(session)]) == 0
+    assert np.load(logits).shape[0] == 3
+    assert main([*run, "--logits-out", str(precious), "--force"]) == 0
+
+
+def test_sizes_refuse_a_unitless_ib() -> None:
+    from waste.errors import WasteError
+    from waste.units import parse_size
+
+    assert parse_size("5KiB") == 5 << 10 and parse_size("5B") == 5 and parse_size("5kb") == 5 << 10
+    for text in ("5iB", "5i", "KiB"):
+        with pytest.raises(WasteError):
+            parse_size(text)

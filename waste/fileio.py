@@ -1,0 +1,176 @@
+"""Files the tools write and read: atomic replacement, safe directory installs, bounded reads.
+
+Every output is written to a temporary name beside its destination and renamed into place
+(`write_atomic` for files, `install_dir` for a container or checkpoint directory), so a
+reader sees the old content or the new, never a mix, and a killed run leaves at most a
+hidden `.NAME.tmp-PID` behind, which the next run to the same destination removes.
+
+`check_output(path, kind, force)` is the overwrite policy, applied before any work starts:
+a new path is always fine; an existing file is replaced only with `--force`, or when it
+already is an output of the same kind (a `.npy` where `--logits-out` writes one, a waste
+session where `--session-out` writes one): rerunning a command must not need `--force`,
+but nothing else (a container's manifest.json, a source file) is overwritten by mistake.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from waste.errors import WasteError
+
+NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
+ZIP_MAGIC = b"PK\x03\x04"  # .npz archives (sessions, traces)
+
+
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call write(f) on a temporary file beside `path`, fsync it, then rename it over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_bounded(path: str | Path, limit: int, what: str) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; FIFOs, devices and larger files are refused
+    (a FIFO or /dev/zero would otherwise block or read without end)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise WasteError(f"{what} {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WasteError(f"{what} {path}: not a regular file")
+        raise WasteError(f"{what} {path}: {st.st_size} bytes, more than the {limit} this reads")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise WasteError(f"{what} {path}: grew past {limit} bytes while being read")
+    return data
+
+
+def check_output(path: str | Path, what: str, force: bool, same_kind: Callable[[Path], bool]) -> Path:
+    """Refuse an output path before any work: its directory must exist, and an existing entry
+    must be a regular file that `--force` allows replacing or that `same_kind` recognises."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise WasteError(f"{what} {path}: directory {path.parent} does not exist")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise WasteError(f"{what} {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise WasteError(f"{what} {path}: exists and is not a regular file")
+    if not force and not same_kind(path):
+        raise WasteError(f"{what} {path}: exists and is not an earlier {what} output; pass --force to replace it")
+    return path
+
+
+def file_starts_with(path: Path, magic: bytes) -> bool:
+    """Whether the file's first bytes are `magic` (False if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stale(parent: Path, name: str, tag: str) -> list[Path]:
+    """`.NAME.TAG-PID[-RANDOM]` entries beside a destination whose process no longer runs."""
+    out = []
+    prefix = f".{name}.{tag}-"
+    for p in parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            out.append(p)
+    return out
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a file or a directory tree if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def recover_stale(out: Path) -> None:
+    """Clean up after runs killed while writing `out`: drop their temporary directories, and if one was
+    killed between moving the old `out` aside and renaming the new one in, put the old one back."""
+    for tmp in _stale(out.parent, out.name, "tmp"):
+        remove_tree(tmp)
+    for old in _stale(out.parent, out.name, "old"):
+        if os.path.lexists(out):
+            remove_tree(old)
+        else:
+            os.rename(old, out)
+
+
+def temp_dir_for(out: Path) -> Path:
+    """A fresh hidden working directory beside `out` (`.NAME.tmp-PID-RANDOM`: unique per writer)."""
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+
+
+# The steps of `install_dir`, named so a test can make one fail.
+_rename = os.rename
+_mkdir = os.mkdir
+
+
+def install_dir(tmp: Path, out: Path, *, force: bool) -> None:
+    """Rename the finished directory `tmp` to `out`.
+
+    Without `force`, `out` must not exist, and that is decided atomically: the name is
+    claimed with mkdir (which fails if anything holds it), then the rename replaces that
+    empty directory, so two runs racing for one new path cannot both succeed. With
+    `force`, the old `out` is first moved aside to `.NAME.old-PID`; if the install then
+    fails, it is moved back, and only once the new one is in place is it deleted.
+    """
+    old = None
+    if force and os.path.lexists(out):
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        remove_tree(old)
+        _rename(out, old)
+    try:
+        try:
+            _mkdir(out)
+        except FileExistsError:
+            raise WasteError(f"{out} exists; pass --force to replace it") from None
+        try:
+            _rename(tmp, out)
+        except BaseException:
+            os.rmdir(out)
+            raise
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    if old is not None:
+        remove_tree(old)
