@@ -99,7 +99,7 @@ def test_check_cli_passes_on_f32(containers, capsys):
         (["--prompt-ids", "1,x"], "'x' is not a token id"),
         ([], "the prompt is empty"),
         (["--prompt-ids", "1", "--max-new", "5000"], "exceeds the model's capacity"),
-        (["--prompt-ids", "1", "--prefill-chunk", "0"], "--prefill-chunk 0"),
+        (["--prompt-ids", "1", "--prefill-chunk", "0"], "--prefill-chunk: 0 is outside 1.."),
     ],
 )
 def test_run_bad_input_exits_2(containers, extra, message, capsys):
