@@ -3,7 +3,8 @@
 Prefill: 32-token chunks from an empty cache up to `--context` tokens, as the engine runs a
 prompt, and one chunk of 512 tokens; multiply-adds per second (causal: each query against the
 keys it sees), against the same two products (scores, then probabilities times latents) as
-plain BLAS calls with no mask and no softmax, timed in the same run. For the single chunk the
+plain BLAS calls with no mask and no softmax, timed in the same run at the same thread count
+(1 against 1, all cores against all cores: bench/common.py `at_threads`). For the single chunk the
 plain products multiply the whole square while the prefill's query tiles stop near the
 diagonal, so the prefill can beat its baseline there. Decode: one query over 1K, 4K and 16K
 cached rows; microseconds, multiply-adds per second and the cache bytes read per second
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS_DIR, best_seconds, format_table, machine_info, write_json
+from common import RESULTS_DIR, at_threads, best_seconds, format_table, machine_info, thread_counts, write_json
 
 from waste.analysis.budget import copy_bandwidth
 from waste.kernels.mla import mla_decode, mla_prefill
@@ -62,9 +63,11 @@ def bench_prefill(rng: np.random.Generator, context: int, rounds: int) -> list[d
     rows = []
     for name, (fn, gemm, macs) in cases.items():
         fn()  # compile or load the kernels first
-        t, t_gemm = best_seconds(fn, rounds), best_seconds(gemm, rounds)
-        rows.append({"case": name, "seconds": t, "gmacs": macs / t / 1e9, "gemm_seconds": t_gemm,
-                     "gemm_gmacs": macs / t_gemm / 1e9, "fraction_of_gemm": t_gemm / t})
+        for threads in thread_counts():
+            with at_threads(threads):
+                t, t_gemm = best_seconds(fn, rounds), best_seconds(gemm, rounds)
+            rows.append({"case": name, "threads": threads, "seconds": t, "gmacs": macs / t / 1e9,
+                         "gemm_seconds": t_gemm, "gemm_gmacs": macs / t_gemm / 1e9, "fraction_of_gemm": t_gemm / t})
     return rows
 
 
@@ -93,10 +96,10 @@ def main() -> None:
     copy = copy_bandwidth()
     decode = bench_decode(rng, args.rounds, copy["gbps"])
     prefill = bench_prefill(rng, args.context, args.rounds)
-    print(format_table(["prefill H=32 R=512", "s", "GMAC/s", "BLAS s", "BLAS GMAC/s", "of BLAS"],
-                       [[r["case"], r["seconds"], r["gmacs"], r["gemm_seconds"], r["gemm_gmacs"],
+    print(format_table(["prefill H=32 R=512", "threads", "s", "GMAC/s", "BLAS s", "BLAS GMAC/s", "of BLAS"],
+                       [[r["case"], r["threads"], r["seconds"], r["gmacs"], r["gemm_seconds"], r["gemm_gmacs"],
                          r["fraction_of_gemm"]] for r in prefill]))
-    print("BLAS: the same two products with no mask and no softmax\n")
+    print("BLAS: the same two products with no mask and no softmax, on the same number of threads\n")
     print(format_table(["decode H=32 R=512", "cache MB", "us", "GMAC/s", "read GB/s", "of copy bw"],
                        [[f"context {r['context']}", r["cache_bytes"] / 1e6, r["us"], r["gmacs"], r["read_gbps"],
                          r["fraction_of_copy_bandwidth"]] for r in decode]))
