@@ -1,12 +1,14 @@
 """`waste demo` (`make demo`): the whole pipeline on the embedded `tiny` preset.
 
 Synthesise a random tiny checkpoint (kept between runs), convert it to a container,
-print the memory plans of every preset and of the container, generate from a prompt,
-check the engine against the float64 oracle, and print a summary.
+print the memory plans of every preset and of the container, generate from a prompt, answer a
+chat turn through the container's tokenizer, check the engine against the float64 oracle, and
+print a summary.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,10 @@ def cmd_demo(args: Any) -> int:
     from waste.engine.model import Model
     from waste.engine.runner import generate
     from waste.engine.sampling import Sampler
+    from waste.engine.text import chat_turn_ids, text_printer
     from waste.plan import format_plan, make_plan
     from waste.synth import synthesize
+    from waste.tokenizer import container_tokenizer, has_tokenizer
 
     start = time.perf_counter()
     work = Path(args.work_dir)
@@ -41,11 +45,11 @@ def cmd_demo(args: Any) -> int:
         print(format_plan(make_plan(name, context="4K", ram="24G")), end="\n\n")
 
     _section("synthesise and convert tiny")
-    if (hf_dir / "config.json").is_file():
+    if (hf_dir / "config.json").is_file() and has_tokenizer(hf_dir):
         print(f"reusing {hf_dir}")
     else:
-        synthesize("tiny", hf_dir, seed=0, dtype="f32")
-        print(f"synthesised {hf_dir}")
+        synthesize("tiny", hf_dir, seed=0, dtype="f32", force=True)
+        print(f"synthesised {hf_dir} (random weights and a small tokenizer in Kimi's format)")
     convert(hf_dir, container_path, quant="f32", force=True, progress=False)
     print(f"converted to {container_path}")
     print(format_plan(make_plan(str(container_path), context="4K", ram="64M")))
@@ -61,6 +65,16 @@ def cmd_demo(args: Any) -> int:
     print("prompt:   ", ",".join(map(str, prompt)))
     print("generated:", ",".join(map(str, run.generated)))
     print(f"prefill {run.prefill_tps:.0f} tok/s, decode {run.decode_tps:.0f} tok/s")
+
+    _section("text in and out (waste run --chat): Kimi's chat template, the reply streamed as text")
+    tokenizer = container_tokenizer(container_path)
+    chat = chat_turn_ids(tokenizer, "What is the capital of France?", continuing=False, last_token=None)
+    print(tokenizer.decode(chat))
+    on_token, finish = text_printer(tokenizer, sys.stdout)
+    generate(model, model.new_session(capacity=len(chat) + 12), chat, 12, Sampler(), all_prompt_logits=False,
+             on_token=on_token)
+    finish()
+    print("(random weights: the reply is noise, but every id decodes to text)")
 
     _section("engine against the float64 oracle")
     report = check_against_oracle(container, prompt, 8, model=model)

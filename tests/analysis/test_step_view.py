@@ -105,3 +105,18 @@ def test_update_norms_add_up(app):
         for x in r.layers:
             assert x.update_norm <= x.attn_update + x.ffn_update + 1e-9
             assert x.update_norm > 0
+
+
+def test_attn_res_panel_draws_the_depth_weights(app):
+    """K3's AttnRes weights get their own panel (drawn here from hand-made weights)."""
+    from waste.analysis.step_view import plot_layer_view
+
+    app.goto(2, 1)
+    view = layer_view(app.stepper, 0)
+    view.attn_res = {"attn": np.array([0.2, 0.5, 0.3]), "ffn": np.array([0.1, 0.1, 0.8])}
+    fig = plot_layer_view(view, app.kinds)
+    titles = [ax.get_title() for ax in fig.get_axes()]
+    assert any(t.startswith("AttnRes") for t in titles)
+    ax = next(a for a in fig.get_axes() if a.get_title().startswith("AttnRes"))
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["b0", "b1", "p"]
+    assert sorted(round(p.get_height(), 3) for p in ax.patches) == sorted([0.2, 0.5, 0.3, 0.1, 0.1, 0.8])

@@ -42,6 +42,7 @@ class LayerView:
     router_scores: np.ndarray | None = None  # MoE: [E]
     expert_ids: np.ndarray | None = None  # MoE: [k]
     expert_weights: np.ndarray | None = None  # MoE: [k]
+    attn_res: dict[str, np.ndarray] | None = None  # K3: site -> depth-attention weights [n + 1]
 
     @property
     def difference(self) -> np.ndarray | None:
@@ -65,6 +66,8 @@ def layer_view(stepper: Stepper, head: int) -> LayerView:
     else:
         view.head = min(head, r.attention.shape[0] - 1)
         view.attention = r.attention[view.head]
+    if r.attn_res:
+        view.attn_res = r.attn_res
     if r.router_scores is not None:
         view.router_scores, view.expert_ids, view.expert_weights = r.router_scores, r.expert_ids, r.expert_weights
     return view
@@ -74,13 +77,15 @@ def plot_layer_view(view: LayerView, kinds: list[str]) -> Figure:
     """Residual updates per layer, then the layer's own panels (KDA state, gate and beta, or MLA
     attention), then the router when the layer is MoE."""
     rows = ["updates", "state", "gates"] if view.kind == "kda" else ["updates", "attention"]
+    if view.attn_res:
+        rows.append("attn_res")
     if view.router_scores is not None:
         rows.append("router")
-    heights = {"updates": 2.6, "state": 3.6, "gates": 2.6, "attention": 2.8, "router": 2.6}
+    heights = {"updates": 2.6, "state": 3.6, "gates": 2.6, "attention": 2.8, "attn_res": 2.4, "router": 2.6}
     fig = Figure(figsize=(12, sum(heights[r] for r in rows)), layout="constrained")
     subs = fig.subfigures(len(rows), 1, squeeze=False, height_ratios=[heights[r] for r in rows])[:, 0]
     for sub, row in zip(subs, rows, strict=True):
-        {"updates": _updates, "state": _state, "gates": _gates, "attention": _attention,
+        {"updates": _updates, "state": _state, "gates": _gates, "attention": _attention, "attn_res": _attn_res,
          "router": _router}[row](sub, view, kinds)
     phase = "generated" if view.record.generated else "prompt"
     fig.suptitle(f"position {view.record.position} ({phase} token {view.record.token}) after layer {view.layer} "
@@ -154,6 +159,23 @@ def _attention(sub: Any, view: LayerView, kinds: list[str]) -> None:
     ax.set_xlabel("position attended to (prompt grey, generated green; the token itself last)")
     ax.set_ylabel("attention probability")
     ax.set_title(f"MLA attention of head {view.head} at layer {view.layer}")
+
+
+def _attn_res(sub: Any, view: LayerView, kinds: list[str]) -> None:
+    ax = sub.subplots()
+    sites = list(view.attn_res)
+    n = max(w.size for w in view.attn_res.values())
+    width = 0.8 / len(sites)
+    for j, site in enumerate(sites):
+        w = view.attn_res[site]
+        ax.bar(np.arange(w.size) + (j - (len(sites) - 1) / 2) * width, w, width=width,
+               label=f"input of the {'attention' if site == 'attn' else 'FFN'}")
+    ax.set_xticks(range(n), [f"b{i}" for i in range(n - 1)] + ["p"])
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("candidate: stored block summaries b0.. (b0 is the embedding), then the running partial sum p")
+    ax.set_ylabel("depth-attention weight")
+    ax.set_title(f"AttnRes: how layer {view.layer} mixes the residual blocks for this token")
+    ax.legend(fontsize="small")
 
 
 def _router(sub: Any, view: LayerView, kinds: list[str]) -> None:

@@ -131,6 +131,9 @@ class LayerRecord:
     expert_ids: np.ndarray | None = None  # MoE: [k] rank order
     expert_weights: np.ndarray | None = None  # MoE: [k]
     update_norm: float = float("nan")  # L2 norm of the layer's whole update (output minus input)
+    # K3: AttnRes depth-attention weights [n + 1] of the mixes this layer read, by site "attn" / "ffn":
+    # blocks b_0 .. b_{n-1}, then the partial sum p.
+    attn_res: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,6 +145,7 @@ class TokenRecord:
     generated: bool
     layers: list[LayerRecord]
     logits: np.ndarray = field(repr=False)  # [vocab] float32
+    output_attn_res: np.ndarray | None = None  # K3: AttnRes weights of the mix the final norm reads
 
     @property
     def next_token(self) -> int:
@@ -168,22 +172,30 @@ class TokenRecord:
 
 
 class _StepObserver:
-    """Collects one token's LayerRecords while Model.decode runs (see the module docstring)."""
+    """Collects one token's LayerRecords while Model.decode runs (see the module docstring).
+
+    Each attention layer is inspected on its input before it runs. Kimi-Linear's input is the
+    previous layer's output (`on_layer`); K3's is an AttnRes mix, which the engine hands to
+    `on_attn_res` just before the attention (site "attn") and before the FFN (site "ffn"),
+    together with the depth-attention weights, which are kept too.
+    """
 
     def __init__(self, model: Any, session: Any, first_hidden: np.ndarray):
         from waste.engine.model import rms_norm
-        from waste.engine.moe_layer import MoELayer
         from waste.kernels.moe import router_logits
 
-        self.model, self.session, self._rms_norm = model, session, rms_norm
-        self._moe, self._router_logits = MoELayer, router_logits
+        self.model, self.session, self._rms_norm, self._router_logits = model, session, rms_norm, router_logits
+        self._mixed = getattr(model.config, "attn_res_block_size", None) is not None
         self.records = [LayerRecord(i, kind) for i, kind in enumerate(model.config.layer_kinds)]
-        self._inspect(0, first_hidden)
+        self.output_attn_res: np.ndarray | None = None  # K3: weights of the mix the final norm reads
+        self._input = first_hidden[0].astype(np.float64)
+        if not self._mixed:
+            self._inspect(0, first_hidden)
 
-    def _inspect(self, layer: int, hidden: np.ndarray) -> None:
+    def _inspect(self, layer: int, attn_input: np.ndarray) -> None:
         """Run the layer's inspect_decode on its input before the layer itself runs."""
         m, rec, eps = self.model, self.records[layer], self.model.config.rms_norm_eps
-        x = self._rms_norm(hidden, m.input_norms[layer], eps)[0]
+        x = self._rms_norm(attn_input, m.input_norms[layer], eps)[0]
         # inspect_decode may advance the state it is given (KDA's does), so it gets a copy;
         # the real step then runs on the session's own state.
         if rec.kind == "kda":
@@ -192,15 +204,29 @@ class _StepObserver:
         else:
             out = m.attn[layer].inspect_decode(x, self.session.mla[layer].copy())
             rec.attention = out["probs"]
-        self._input = hidden[0].astype(np.float64)
-        middle = hidden + out["y"][None, :]
-        self._middle = middle[0].astype(np.float64)
-        rec.attn_update = float(np.linalg.norm(out["y"].astype(np.float64)))
-        ffn = m.ffn[layer]
-        if isinstance(ffn, self._moe):
-            x = self._rms_norm(middle, m.post_norms[layer], eps)
-            logits = self._router_logits(x, ffn.router_weight)[0].astype(np.float64)
-            rec.router_scores = 1.0 / (1.0 + np.exp(-logits))
+        y = out["y"].astype(np.float64)
+        self._middle = self._input + y
+        rec.attn_update = float(np.linalg.norm(y))
+        if not self._mixed:
+            self._router_scores(layer, self._middle[None, :].astype(np.float32))
+
+    def _router_scores(self, layer: int, ffn_input: np.ndarray) -> None:
+        weight = getattr(self.model.ffn[layer], "router_weight", None)
+        if weight is not None:
+            x = self._rms_norm(ffn_input, self.model.post_norms[layer], self.model.config.rms_norm_eps)
+            logits = self._router_logits(x, weight)[0].astype(np.float64)
+            self.records[layer].router_scores = 1.0 / (1.0 + np.exp(-logits))
+
+    def on_attn_res(self, layer: int, site: str, positions: np.ndarray, weights: np.ndarray,
+                    mixed: np.ndarray) -> None:
+        if site == "output":
+            self.output_attn_res = np.asarray(weights[0]).copy()
+            return
+        self.records[layer].attn_res[site] = np.asarray(weights[0]).copy()
+        if site == "attn":
+            self._inspect(layer, mixed)
+        else:
+            self._router_scores(layer, mixed)
 
     def on_layer(self, layer: int, positions: np.ndarray, hidden: np.ndarray) -> None:
         rec = self.records[layer]
@@ -208,7 +234,8 @@ class _StepObserver:
         rec.hidden_norm = float(np.linalg.norm(out))
         rec.ffn_update = float(np.linalg.norm(out - self._middle))
         rec.update_norm = float(np.linalg.norm(out - self._input))
-        if layer + 1 < len(self.records):
+        self._input = out
+        if layer + 1 < len(self.records) and not self._mixed:
             self._inspect(layer + 1, hidden)
 
     def on_routing(self, layer: int, positions: np.ndarray, phase: str, routing: Any, hits: np.ndarray) -> None:
@@ -242,7 +269,7 @@ class Stepper:
         first = self.model.embed.take_rows(np.array([token], np.int64))
         observer = _StepObserver(self.model, self.session, first)
         logits = self.model.decode(self.session, token, observer=observer)
-        record = TokenRecord(position, token, generated, observer.records, logits.copy())
+        record = TokenRecord(position, token, generated, observer.records, logits.copy(), observer.output_attn_res)
         self.records.append(record)
         return record
 
