@@ -120,3 +120,16 @@ def test_attn_res_panel_draws_the_depth_weights(app):
     ax = next(a for a in fig.get_axes() if a.get_title().startswith("AttnRes"))
     assert [t.get_text() for t in ax.get_xticklabels()] == ["b0", "b1", "p"]
     assert sorted(round(p.get_height(), 3) for p in ax.patches) == sorted([0.2, 0.5, 0.3, 0.1, 0.1, 0.8])
+
+
+def test_load_with_a_bad_path_or_prompt_says_so_and_keeps_the_view(app, tmp_path):
+    good, stepper = app.container_box.value, app.stepper
+    app.container_box.value = str(tmp_path / "missing.waste")
+    app.load()
+    assert "missing.waste" in app.status.value and app.stepper is stepper
+    app.container_box.value = good
+    app.prompt_box.value = ""
+    app.load()
+    assert "empty" in app.status.value and app.stepper is stepper
+    app.prompt_box.value = "Hi there"
+    assert not any(b.disabled for b in app.buttons)

@@ -50,6 +50,8 @@ def test_prompt_box_takes_text_or_ids(tiny):
     tok = container_tokenizer(tiny)
     assert prompt_ids("Hi <|im_end|>", tok, 512) == tok.encode("Hi <|im_end|>")
     assert prompt_ids("1, 2 3", None, 512) == [1, 2, 3]
+    with pytest.raises(WasteError, match="no tokenizer: type the prompt as token ids"):
+        prompt_ids("Hello", None, 512)
     with pytest.raises(WasteError, match="outside the vocabulary"):
         prompt_ids("1,600", None, 512)
     with pytest.raises(WasteError, match="empty"):

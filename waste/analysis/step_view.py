@@ -11,6 +11,7 @@ test can drive it as a user would.
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,7 +237,7 @@ class StepThrough:
         self._container: Any = None
         self._steps_ahead = steps_ahead
         self._quiet = False
-        self.load()
+        self._load()
 
     def widget(self) -> Any:
         import ipywidgets as w
@@ -247,19 +248,34 @@ class StepThrough:
                        w.HBox([self.layer_slider, self.head_slider]), self.status, self.out])
 
     def load(self) -> None:
+        """The Load button: like `_load`, but a bad path or prompt shows in the status line (and the
+        view stays as it was) instead of raising."""
+        from waste.errors import WasteError
+
+        try:
+            self._load()
+        except WasteError as e:
+            self.status.value = f"<span style='color:#d62728'>{html.escape(str(e))}</span>"
+
+    def _load(self) -> None:
         """Open the chosen container, encode the prompt, feed it (and `steps_ahead` tokens) through."""
         from waste.container.reader import open_container
         from waste.engine.model import Model
         from waste.tokenizer import container_tokenizer
 
         with busy(self.buttons):
+            path = Path(self.container_box.value)
+            container = open_container(path)
+            try:
+                model = Model(container)
+                tokenizer = container_tokenizer(path)
+                ids = prompt_ids(self.prompt_box.value, tokenizer, model.config.vocab_size)
+            except BaseException:
+                container.close()
+                raise
             if self._container is not None:
                 self._container.close()
-            path = Path(self.container_box.value)
-            self._container = open_container(path)
-            model = Model(self._container)
-            self.tokenizer = container_tokenizer(path)
-            ids = prompt_ids(self.prompt_box.value, self.tokenizer, model.config.vocab_size)
+            self._container, self.tokenizer = container, tokenizer
             self.stepper = Stepper(model, ids)
             total = len(ids) + self._steps_ahead
             with progress(total, "feeding tokens") as bar:

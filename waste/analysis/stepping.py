@@ -22,6 +22,7 @@ Shapes: H heads, K key dim, V value dim, E experts, k routed per token, ctx cont
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,8 @@ def prompt_ids(text: str, tokenizer: Any | None, vocab_size: int) -> list[int]:
     """A prompt box's ids: the text through the tokenizer, or without one comma/space separated ids."""
     from waste.engine.cli import parse_ids
 
+    if tokenizer is None and re.search(r"[^\d,\s]", text):
+        raise WasteError("this container has no tokenizer: type the prompt as token ids, e.g. 1, 2, 3")
     ids = tokenizer.encode(text) if tokenizer is not None else parse_ids(text, "prompt")
     if not ids:
         raise WasteError("the prompt is empty")
