@@ -8,7 +8,7 @@ special tokens take the ids N .. N+257 right after the mergeable ones, named by
 pre-split with Kimi's pattern (Han runs, cased words with English contractions, numbers of up
 to three digits, punctuation, newlines, spaces) and every special token is allowed in text.
 
-`write_synthetic_tokenizer` writes a small tokenizer in the same format for a preset: a byte
+`synthetic_tokenizer_files` makes a small tokenizer in the same format for a preset: a byte
 level BPE trained on a short built-in text, filled up with byte pairs so that the N mergeable
 tokens plus the 256 special ones match the config's vocab_size and the specials land where
 Kimi's are (bos N, eos N+2, pad N+255, as Kimi-Linear's 163584 / 163586 / 163839).
