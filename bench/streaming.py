@@ -13,6 +13,10 @@ decode columns count decode alone.
 
 `read GB/s` is the store's bytes over its wall time inside reads (the pool's reads overlap, so
 this is what the reads achieved together); `read %` is that time's share of the decode time.
+`crc %` is the integrity check's cost (issue 14; target under 5%): the time spent in
+`check_expert` on the blobs decode read, over the decode time (summed over reader threads, so
+an upper bound on what it adds to the wall time). The trunk's CRCs, checked once per open,
+are timed separately: `open_container` with and without them.
 The sequential baseline reads experts.bin start to end in 8 MiB reads in the same I/O mode,
 before and after the budgets (the better is kept). Prints a table, writes
 bench/results/streaming.json. Asserts nothing.
@@ -44,6 +48,15 @@ def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argpar
     expert_bytes = container.byte_counts()["expert_bytes"]
     budget = int(fraction * expert_bytes)
     dropped = common.drop_page_cache(container.experts_path, whole_machine=args.drop_all_caches)
+    crc_seconds: list[float] = []
+    check = container.check_expert
+
+    def timed_check(layer: int, expert: int, blob: np.ndarray) -> None:
+        t = time.perf_counter()
+        check(layer, expert, blob)
+        crc_seconds.append(time.perf_counter() - t)  # list.append is atomic: reader threads share it
+
+    container.check_expert = timed_check
     with StreamingExpertStore(container, budget, args.policy, args.read_threads, direct_io=not args.buffered) as store:
         model = Model(container, store=store)
         session = model.new_session(len(prompt) + args.new)
@@ -52,12 +65,15 @@ def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argpar
         prefill_s = time.perf_counter() - t0
         prefill = store.stats.total
         store.stats.reset()
+        crc_seconds.clear()
         token = int(np.argmax(logits[-1]))
         t0 = time.perf_counter()
         for _ in range(args.new):
             token = int(np.argmax(model.decode(session, token)))
         decode_s = time.perf_counter() - t0
         dec = store.stats.total
+        decode_crc_s = sum(crc_seconds)
+        del container.check_expert
         return {
             "budget_fraction": fraction, "budget_bytes": budget, "cached_bytes_at_end": store.cached_bytes,
             "io_mode": store.io_mode, "io_note": store.io_note, "cache_dropped": dropped,
@@ -67,9 +83,28 @@ def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argpar
             "decode_hit_rate": None if np.isnan(dec.hit_rate) else dec.hit_rate,
             "decode_read_s": dec.read_seconds,
             "decode_read_share": dec.read_seconds / decode_s,
+            "decode_crc_s": decode_crc_s,
+            "decode_crc_share": decode_crc_s / decode_s,
             "decode_read_gbps": None if np.isnan(dec.gbps) else dec.gbps,
             "decode_stats": dec.as_dict(),
         }
+
+
+def time_open_check(path: Path, rounds: int = 5) -> dict[str, Any]:
+    """Best-of-`rounds` seconds of open_container with and without the trunk's CRCs (page cache warm:
+    the check's own cost, not the disk's)."""
+    best = {}
+    for verify in (False, True, False, True):
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            with open_container(path, verify=verify) as c:
+                trunk_bytes = c.byte_counts()["trunk_bytes"]
+            times.append(time.perf_counter() - t0)
+        best[verify] = min(best.get(verify, np.inf), min(times))
+    crc_s = max(best[True] - best[False], 1e-9)
+    return {"verified_s": best[True], "unverified_s": best[False], "trunk_bytes": trunk_bytes,
+            "crc_gbps": trunk_bytes / crc_s / 1e9}
 
 
 def main() -> int:
@@ -116,6 +151,10 @@ def main() -> int:
               f"{args.read_threads} read threads")
         results = [run_budget(c, b / 100, prompt, args) for b in args.budgets]
         seq_end = common.sequential_read(c.experts_path, direct=direct)
+    open_check = time_open_check(path)
+    print(f"trunk CRC32C on open: {open_check['verified_s'] * 1e3:.1f} ms against "
+          f"{open_check['unverified_s'] * 1e3:.1f} ms without ({open_check['trunk_bytes'] / 1e6:.1f} MB, "
+          f"{open_check['crc_gbps']:.2f} GB/s)")
     seq_gbps = max(seq_start["gbps"], seq_end["gbps"])
     rows = []
     for r in results:
@@ -124,9 +163,9 @@ def main() -> int:
         rows.append([f"{100 * r['budget_fraction']:g}%", r["budget_bytes"] / 1e6, r["io_mode"], r["decode_tps"],
                      r["decode_bytes_per_token"] / 1e6, None if hit is None else 100 * hit, r["decode_read_gbps"],
                      None if r["read_vs_sequential"] is None else 100 * r["read_vs_sequential"],
-                     100 * r["decode_read_share"], r["prefill_tps"]])
+                     100 * r["decode_read_share"], 100 * r["decode_crc_share"], r["prefill_tps"]])
     print(common.format_table(["budget", "MB", "io", "decode tok/s", "expert MB/tok", "hit %", "read GB/s",
-                               "% seq", "read %", "prefill tok/s"], rows))
+                               "% seq", "read %", "crc %", "prefill tok/s"], rows))
     print(f"sequential read of experts.bin: {seq_start['gbps']:.2f} GB/s before, {seq_end['gbps']:.2f} GB/s after "
           f"({seq_start['io_mode']})")
     common.write_json(args.out, {
@@ -136,6 +175,7 @@ def main() -> int:
                      "policy": args.policy, "read_threads": args.read_threads, "direct_io": not args.buffered},
         "expert_bytes": counts["expert_bytes"], "expert_blob_bytes": counts["expert_blob_bytes"],
         "sequential_read": {"start": seq_start, "end": seq_end, "gbps": seq_gbps},
+        "trunk_check_on_open": open_check,
         "budgets": results,
     })
     return 0
