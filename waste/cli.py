@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("convert", help="convert a Hugging Face checkpoint into a NAME.waste container")
     s.add_argument("hf_dir")
     s.add_argument("out")
-    s.add_argument("--quant", choices=("f32", "q8", "q4"), default="q8")
-    s.add_argument("--experts", choices=("f32", "q8", "q4", "mxfp4"), default=None,
+    s.add_argument("--quant", choices=("f32", "bf16", "q8", "q4"), default="q8")
+    s.add_argument("--experts", choices=("f32", "bf16", "q8", "q4", "mxfp4"), default=None,
                    help="routed expert storage (default: MXFP4 experts stay MXFP4 byte for byte, others follow "
                         "--quant); any other choice dequantises and stores again")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")

@@ -35,11 +35,9 @@ def matrix_bytes(fmt: str, shape: tuple[int, int]) -> int:
 
 
 def tensor_bytes(name: str, shape: tuple[int, ...], scheme: str) -> int:
-    """Bytes of one trunk tensor once stored under `scheme` ("bf16": as Hugging Face ships it)."""
+    """Bytes of one trunk tensor once stored under `scheme` (the container's storage_of)."""
     from waste.container.format import storage_of
 
-    if scheme == "bf16":
-        return int(np.prod(shape)) * 2
     kind, storage = storage_of(name, shape, scheme)
     if kind == "matrix":
         return matrix_bytes(storage, (shape[0], shape[1]))

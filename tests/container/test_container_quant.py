@@ -1,4 +1,5 @@
-"""q8 / q4 containers: the stored buffers are quantize()'s, dequantised within the formats' error."""
+"""q8 / q4 containers: the stored buffers are quantize()'s, dequantised within the formats' error;
+bf16 containers: a bf16 checkpoint's bits, unchanged."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from waste.container import open_container
-from waste.container.format import EXPERT_PARTS, expert_name, is_matrix
+from waste.container.format import EXPERT_PARTS, expected_expert_tensors, expert_name, is_matrix
 from waste.kernels import quant as qk
 from waste.qformat import GROUP, QMAX
 from waste.testing import load_checkpoint, tiny_checkpoint, tiny_container
@@ -62,3 +63,34 @@ def test_q4_is_smaller_than_q8_where_it_should_be(tmp_path_factory: pytest.TempP
             open_container(tiny_container(tmp_path_factory, quant="q4")) as q4:
         assert q8.byte_counts()["per_class"] == q4.byte_counts()["per_class"]
         assert q4.byte_counts()["expert_data_bytes"] < 0.6 * q8.byte_counts()["expert_data_bytes"]
+
+
+def test_bf16_container_keeps_a_bf16_checkpoint_bit_for_bit(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import ml_dtypes
+
+    from waste.cli import main
+
+    out = tiny_container(tmp_path_factory, quant="bf16", dtype="bf16")
+    source = load_checkpoint(tiny_checkpoint(out))  # float32 widenings of the bf16 values: exact
+    with open_container(out) as c:
+        c.verify()
+        assert c.scheme == "bf16"
+        for name in c.names():
+            ref = source[name]
+            if not is_matrix(name, ref.shape):
+                assert c.entry(name).storage == "f32" and np.array_equal(c.tensor(name), ref), name
+                continue
+            m = c.matrix(name)
+            assert m.fmt == "bf16" and m.shape == ref.shape, name
+            np.testing.assert_array_equal(m.buffers["w"], ref.astype(ml_dtypes.bfloat16).view(np.uint16))
+        cfg = c.config
+        for layer in cfg.moe_layers:
+            for e in range(cfg.num_experts):
+                for part, m in zip(EXPERT_PARTS, c.expert(layer, e), strict=True):
+                    ref = source[expert_name(layer, e, part)]
+                    assert m.fmt == "bf16"
+                    np.testing.assert_array_equal(m.buffers["w"], ref.astype(ml_dtypes.bfloat16).view(np.uint16))
+        # two bytes a weight, nothing else
+        assert c.byte_counts()["expert_data_bytes"] == sum(2 * a * b for a, b in expected_expert_tensors(cfg).values())
+    # The engine against the float64 oracle at the bf16 scheme's tolerance (exit code 0: passed).
+    assert main(["check", str(out), "--prompt-len", "24", "--new", "4"]) == 0

@@ -6,12 +6,15 @@ Tolerances:
   scaling and a float32 sum over K/32 groups, a few ulps of the largest partial sum.
 - Dequantised weights are code * scale * tscale with a float16 scale and a power-of-two
   tscale: one float32 rounding, so they equal the float64 oracle rounded to float32.
-- Unquantised f32/bf16 products: 1e-5 of the output scale (float32 accumulation over <= 320).
+- Unquantised f32/bf16 products: 1e-5 of the output scale (float32 accumulation over <= 320;
+  bf16 against the product of the bf16-rounded activations, which is what it computes).
 - Signal-to-noise bounds for Gaussian weights and activations (K = 1024), derived from the
   step sizes: a uniform rounding error of step d has power d^2/12, and d = amax/127 (q8g)
   or amax/8 (q4g) with amax ~ 2.1 sigma for 32 Gaussians, so q8g weights give ~46 dB and
-  int8 activations another ~46 dB (together ~43), q4g ~22 dB, bf16 (8-bit mantissa) ~56 dB.
-  Measured: f32 129, bf16 55.7, q8g 42.5, q4g 21.2 dB; the bounds leave 1-3 dB.
+  int8 activations another ~46 dB (together ~43), q4g ~22 dB, bf16 (8-bit mantissa) ~56 dB
+  for the weights and, since its products round the activations to bf16 too (as vdpbf16ps),
+  another ~56 dB (together ~53). Measured: f32 129-134, bf16 52.9 (55.7 before the
+  activations were rounded), q8g 42.5, q4g 21.2 dB; the bounds leave 1-3 dB.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from waste.qformat import FORMATS, QMAX, bits_per_weight, buffer_layout
 from waste.reference import quant as ref
 
 QFORMATS = ("q8g", "q4g")
-SNR_BOUND_DB = {"f32": 120.0, "bf16": 53.0, "q8g": 40.0, "q4g": 20.0}
+SNR_BOUND_DB = {"f32": 120.0, "bf16": 51.0, "q8g": 40.0, "q4g": 20.0}
 
 
 

@@ -35,7 +35,7 @@ from waste.qformat import GROUP, buffer_layout
 MAGIC = "WASTE-CONTAINER"
 # 2: CRC32C instead of zlib's CRC32, and a SHA-256 of the manifest's own content (`checksum`).
 FORMAT_VERSION = 2
-SCHEMES = ("f32", "q8", "q4")
+SCHEMES = ("f32", "bf16", "q8", "q4")
 MANIFEST = "manifest.json"
 TRUNK = "trunk.bin"
 EXPERTS = "experts.bin"
@@ -44,11 +44,11 @@ BLOB_ALIGN = 4096  # one expert blob = one aligned pread, O_DIRECT-ready
 EXPERT_PARTS = ("w1", "w3", "w2")  # gate, up, down: the order inside a blob
 ROUTER_SUFFIX = "block_sparse_moe.gate.weight"
 # Storage of the routed experts: the scheme's own (f32, q8g, q4g) or MXFP4 kept verbatim.
-EXPERT_STORAGES = ("f32", "q8g", "q4g", "mxfp4")
-_SCHEME_EXPERT_STORAGE = {"f32": "f32", "q8": "q8g", "q4": "q4g"}
+EXPERT_STORAGES = ("f32", "bf16", "q8g", "q4g", "mxfp4")
+_SCHEME_EXPERT_STORAGE = {"f32": "f32", "bf16": "bf16", "q8": "q8g", "q4": "q4g"}
 CHECKSUM_KEY = "checksum"  # manifest key: "sha256:<hex>" over the rest of the manifest
 # Group length along K of the grouped formats (docs/QUANT.md), recorded in the tensor table.
-GROUP_SIZE = {"f32": None, "q8g": GROUP, "q4g": GROUP, "mxfp4": MXFP4_GROUP}
+GROUP_SIZE = {"f32": None, "bf16": None, "q8g": GROUP, "q4g": GROUP, "mxfp4": MXFP4_GROUP}
 # AttnRes vectors [1, D]: 2-D `.weight` tensors that stay float32 arrays, not matrices.
 RES_PROJ_SUFFIX = "_res_proj.weight"
 _MAX_INT = 1 << 62
@@ -239,14 +239,17 @@ def is_matrix(name: str, shape: Shape) -> bool:
 
 
 def storage_of(name: str, shape: Shape, scheme: str) -> tuple[str, str]:
-    """(kind, storage) of a trunk tensor under a scheme: kind "matrix" | "array", storage f32 | q8g.
+    """(kind, storage) of a trunk tensor under a scheme: kind "matrix" | "array", storage f32 | bf16 | q8g.
 
-    Routed experts are stored as `expert_storage` says."""
+    Routed experts are stored as `expert_storage` says. `bf16` keeps every matrix as bfloat16:
+    lossless from a bf16 checkpoint."""
     if scheme not in SCHEMES:
         raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
     if not is_matrix(name, shape):
         return "array", "f32"
-    return "matrix", "f32" if scheme == "f32" else "q8g"
+    if scheme in ("f32", "bf16"):
+        return "matrix", scheme
+    return "matrix", "q8g"
 
 
 def tensor_class(name: str, cfg: ModelConfig) -> str:

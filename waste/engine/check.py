@@ -30,7 +30,9 @@ UNIT_ROUNDOFF_F32 = 2.0**-24
 # values amax is about 2.5 times the RMS, so one product's relative error is 2.5 / (127 sqrt(12)).
 INT8_ACTIVATION_REL_ERROR = 2.5 / (127 * 12**0.5)  # 5.7e-3
 PRODUCTS_PER_LAYER = 4  # in series along the residual: attention in and out, FFN in and out
-FORCE_ROUTING = {"f32": False, "q8": True, "q4": True}
+# bf16 activations: round to nearest with an 8-bit significand, at most 2**-9 relative per value.
+BF16_ACTIVATION_REL_ERROR = 2.0**-9  # 2.0e-3
+FORCE_ROUTING = {"f32": False, "bf16": True, "q8": True, "q4": True}
 
 
 def scheme_tolerance(scheme: str, num_layers: int) -> float:
@@ -50,11 +52,17 @@ def scheme_tolerance(scheme: str, num_layers: int) -> float:
     Independent errors of the PRODUCTS_PER_LAYER x L products in series add in quadrature:
     tolerance = 5.7e-3 sqrt(4 L), 2.5e-2 for the 5 layers of tiny (where q8 and q4 measure
     1.2e-2 at the logits).
+
+    bf16: the weights are the oracle's too; the engine rounds every activation vector to
+    bfloat16 before each product (as vdpbf16ps does), at most BF16_ACTIVATION_REL_ERROR = 2**-9
+    relative per value, compounded the same way: 8.7e-3 for tiny (which measures 3.6e-3).
     """
     if scheme == "f32":
         return 1e-5
     if scheme in ("q8", "q4"):
         return INT8_ACTIVATION_REL_ERROR * (PRODUCTS_PER_LAYER * num_layers) ** 0.5
+    if scheme == "bf16":
+        return BF16_ACTIVATION_REL_ERROR * (PRODUCTS_PER_LAYER * num_layers) ** 0.5
     raise ValueError(f"no tolerance for scheme {scheme!r}")
 
 

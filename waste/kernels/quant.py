@@ -7,7 +7,8 @@ back and hand out zero-copy views on read.
 
 Formats (byte layouts, bits per weight and the measurements behind them: docs/QUANT.md):
 - "f32": float32, exact; products through NumPy's BLAS.
-- "bf16": bfloat16 bits as uint16; float32 arithmetic.
+- "bf16": bfloat16 bits as uint16; products round the activations to bf16 and follow
+  AVX512_BF16's vdpbf16ps (waste/kernels/bf16.py).
 - "q8g": int8 codes in [-127, 127], one float16 scale per group of 32 along K (8.5 bits).
 - "q4g": 4-bit codes 0..15 standing for (code - 8), one float16 scale per group (4.5 bits).
 
@@ -42,6 +43,7 @@ from numba.extending import intrinsic
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
+from waste.kernels.bf16 import bf16_matmul
 from waste.kernels.quantize import quantize_grouped
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout
 
@@ -50,7 +52,6 @@ CHUNK = 64  # bytes per vpdpbusd operand: 16 rows x 4 codes
 # Software prefetch distance in the code stream (a few groups ahead). Measured on the lm_head
 # (codes in DRAM) it helped q4g by 10-40% and was neutral in L3 (docs/QUANT.md).
 PREFETCH_BYTES = 2048
-BF16_BLOCK_ROWS = 256  # rows of a bf16 matrix widened to float32 at once for a BLAS matmul (in L2)
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,12 @@ class QMatrix:
         if x.shape != (self.shape[1],):
             raise WasteError(f"{self.fmt} matrix {self.shape}: matvec input must have shape ({self.shape[1]},), "
                              f"got {x.shape}")
-        if self.fmt in ("f32", "bf16"):
+        if self.fmt == "f32":
             y = np.empty(self.shape[0], np.float32)
-            matvec = _f32_matvec if self.fmt == "f32" else _bf16_matvec
-            matvec(self.buffers["w"], np.ascontiguousarray(x, np.float32), y)
+            _f32_matvec(self.buffers["w"], np.ascontiguousarray(x, np.float32), y)
             return y
+        if self.fmt == "bf16":
+            return bf16_matmul(self.buffers["w"], np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
         return _qproduct(self, np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
 
     def matmul(self, X: np.ndarray) -> np.ndarray:
@@ -97,15 +99,7 @@ class QMatrix:
         if self.fmt == "f32":
             return np.ascontiguousarray(X @ self.buffers["w"].T)
         if self.fmt == "bf16":
-            if X.shape[0] == 1:
-                return self.matvec(X[0])[None, :]
-            Y = np.empty((X.shape[0], n), np.float32)
-            block = np.empty((min(n, BF16_BLOCK_ROWS), k), np.float32)
-            for r0 in range(0, n, BF16_BLOCK_ROWS):
-                rows = block[: min(n, r0 + BF16_BLOCK_ROWS) - r0]
-                _bf16_widen(self.buffers["w"][r0:r0 + len(rows)], rows)
-                Y[:, r0:r0 + len(rows)] = X @ rows.T
-            return Y
+            return bf16_matmul(self.buffers["w"], X)
         return _qproduct(self, X)
 
     def dequantize(self) -> np.ndarray:
@@ -218,26 +212,6 @@ def _f32_matvec(w, x, y):
         for k in range(K):
             s += w[n, k] * x[k]
         y[n] = s
-
-
-@parallel_kernel
-def _bf16_matvec(w, x, y):
-    """y[N] = W x with W stored as bfloat16 bits [N, K]."""
-    N, K = w.shape
-    for n in prange(N):
-        s = np.float32(0.0)
-        for k in range(K):
-            s += np.uint32(np.uint32(w[n, k]) << 16).view(np.float32) * x[k]
-        y[n] = s
-
-
-# Serial: it alternates with BLAS calls, and two spinning thread pools on few cores stall each other.
-@kernel
-def _bf16_widen(bits, out):
-    """out[R, K] float32 = bfloat16 bits [R, K] uint16."""
-    for r in range(bits.shape[0]):
-        for k in range(bits.shape[1]):
-            out[r, k] = np.uint32(np.uint32(bits[r, k]) << 16).view(np.float32)
 
 
 # -- activations --------------------------------------------------------------------------------

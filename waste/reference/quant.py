@@ -9,7 +9,8 @@ element index arithmetic rather than the fast code's reshapes, and never call th
   32; the codes are defined by IEEE float32 arithmetic (scale amax / 127, inverse 127 / amax,
   round half to even), reproduced here with NumPy float32 scalars so they match exactly.
 - `reference_matmul(qm, X)` / `reference_matvec(qm, x)`: the product in float64 from those
-  integers (q formats) or from the float32/bfloat16 weights (unquantised formats).
+  integers (q formats), from the float32 weights and activations (f32), or from the bfloat16
+  weights and the activations rounded to bfloat16 (bf16, `reference_round_to_bf16`).
 - `reference_quantize(w, fmt)`: the q8g/q4g buffers (qs, scales, tscale) of a weight matrix in
   NumPy float64 whole-array operations (the first implementation, kept as the oracle; it lays the
   bytes out by reshapes, which `reference_dequantize`'s formulas check). The Numba quantiser
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from waste.errors import WasteError
@@ -103,11 +105,22 @@ def reference_quantize_activation(X: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return codes, scales
 
 
-def reference_matmul(qm, X: np.ndarray) -> np.ndarray:
-    """Y [T, N] = X W^T in float64; q formats multiply the int8 activation codes."""
+def reference_round_to_bf16(X: np.ndarray) -> np.ndarray:
+    """X float32 rounded to bfloat16 as vcvtneps2bf16 does, in float64: to nearest, ties to even;
+    float32 subnormals become zeros of their sign; NaN stays NaN."""
     X = np.asarray(X, np.float32)
-    if qm.fmt in ("f32", "bf16"):
+    rounded = X.astype(ml_dtypes.bfloat16).astype(np.float64)
+    return np.where(np.abs(X) < np.float32(2.0**-126), np.copysign(0.0, X), rounded)
+
+
+def reference_matmul(qm, X: np.ndarray) -> np.ndarray:
+    """Y [T, N] = X W^T in float64; q formats multiply the int8 activation codes, bf16 the
+    activations rounded to bfloat16."""
+    X = np.asarray(X, np.float32)
+    if qm.fmt == "f32":
         return X.astype(np.float64) @ reference_dequantize(qm).T
+    if qm.fmt == "bf16":
+        return reference_round_to_bf16(X) @ reference_dequantize(qm).T
     wcodes, wscales = _codes_and_scales(qm)  # [N, G, 32], [N, G]
     xcodes, xscales = reference_quantize_activation(X)  # [T, G, 32], [T, G]
     dots = np.einsum("ngj,tgj->tng", wcodes, xcodes)  # exact integers

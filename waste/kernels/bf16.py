@@ -1,0 +1,300 @@
+"""Products with bfloat16 weights: the arithmetic of AVX512_BF16's `vdpbf16ps`, on any CPU.
+
+A bf16 matrix `[N, K]` (uint16 bits) multiplies activations that are first rounded to
+bfloat16 (`round_to_bf16`: round to nearest even, subnormals to zero, as `vcvtneps2bf16`).
+Each output is then one fixed sequence of float32 operations, the one `vdpbf16ps` performs on
+a 512-bit register: 16 lanes, lane i taking the pairs (2i, 2i+1) of every 32 inputs; each pair
+adds its odd product, then its even product, to the lane (a product of two bf16 numbers is
+exact in float32, so fused and unfused multiply-adds agree); the rows's last partial 32 are
+zero-padded; the 16 lanes are summed as a tree (i + 8, then + 4, + 2, + 1).
+
+Two code paths emit that sequence, chosen at import from the host's features:
+- `vdpbf16ps` itself (inline assembly) where the CPU has AVX512_BF16;
+- a portable one that widens each bf16 pair with a mask and a shift and multiplies in float32,
+  which LLVM lowers to whatever vectors the CPU has (two 256-bit halves on AVX2).
+They agree bit for bit on finite inputs whose products and partial sums stay at or above
+float32's smallest normal (2**-126) in magnitude; below it `vdpbf16ps` flushes to zero
+(weights that are bf16 subnormals, sums that underflow) and the portable path does not.
+
+Activations rounded to bf16 are what llama.cpp's bf16 products also multiply; the relative
+error this adds to a product is about 2**-9 / sqrt(3) of |W| |x| per term, averaged over K.
+
+Shapes: w [N, K] uint16, X [T, K] float32, Y [T, N] float32.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from waste.jit import kernel, parallel_kernel, prange
+
+LANES = 16  # float32 lanes of one 512-bit accumulator
+PAIR_BLOCK = 2 * LANES  # bf16 inputs one vdpbf16ps consumes per row
+ROW_TILE = 4  # rows sharing one pass over a token's activations (one-token products)
+TOKEN_TILE = 4  # tokens sharing one pass over a row's weights (chunks)
+# Weight bytes of one parallel block of rows in a chunk's product: they stay in L2 while the
+# chunk's activations stream past them once per block.
+CHUNK_BLOCK_BYTES = 131072
+# Below this many weight bytes x tokens a product runs on the calling thread: entering
+# Numba's thread pool costs more than the work.
+SERIAL_BYTES = 65536
+
+_I1, _I16, _I32, _F32 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_VI = ir.VectorType(_I32, LANES)
+_VF = ir.VectorType(_F32, LANES)
+_VH = ir.VectorType(_I16, PAIR_BLOCK)
+
+
+def _host_features() -> set[str]:
+    """The host's CPU features ("avx2", "fma", ...) when Numba compiles for this host, else none."""
+    from numba.core import config
+
+    if config.CPU_NAME or config.CPU_FEATURES:
+        return set()
+    return {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
+
+
+def host_has_bf16_dot() -> bool:
+    """True when the host has AVX512_BF16 (vdpbf16ps) and Numba compiles for it."""
+    return {"avx512f", "avx512bf16"} <= _host_features()
+
+
+def padded_inputs(k: int) -> int:
+    """K rounded up to whole blocks of 32 bf16 inputs."""
+    return -(-k // PAIR_BLOCK) * PAIR_BLOCK
+
+
+@kernel(fastmath=False)
+def _bf16_bits(b):
+    """bfloat16 bits of the float32 with bits b: round to nearest even, subnormals to signed
+    zero, NaN kept (quiet) - what vcvtneps2bf16 does."""
+    if (b & np.uint32(0x7F800000)) == 0:
+        return np.uint32((b >> np.uint32(16)) & np.uint32(0x8000))
+    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint32((b >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint32((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+# fastmath off: the rounding is integer arithmetic on the bits and must not be reassociated.
+@kernel(fastmath=False)
+def _round_rows(X, out):
+    """out[T, Kp] uint16 = X [T, K] float32 rounded to bfloat16, zero past K (vdpbf16ps's operand)."""
+    T, K = X.shape
+    bits = X.view(np.uint32)
+    for t in range(T):
+        for k in range(K):
+            out[t, k] = np.uint16(_bf16_bits(bits[t, k]))
+        for k in range(K, out.shape[1]):
+            out[t, k] = 0
+
+
+@kernel(fastmath=False)
+def _round_split(X, out):
+    """out[T, Kp] float32: X rounded to bfloat16 as _round_rows, each block of 32 laid out as the
+    16 odd elements of its pairs, then the 16 even ones (the portable path's operand)."""
+    T, K = X.shape
+    bits = X.view(np.uint32)
+    obits = out.view(np.uint32)
+    for t in range(T):
+        for j in range(out.shape[1] // PAIR_BLOCK):
+            for i in range(2 * LANES):
+                k = j * PAIR_BLOCK + i
+                lane = i // 2 if i % 2 else LANES + i // 2
+                v = _bf16_bits(bits[t, k]) if k < K else np.uint32(0)
+                obits[t, j * PAIR_BLOCK + lane] = v << np.uint32(16)
+
+
+def round_to_bf16(X: np.ndarray) -> np.ndarray:
+    """X [T, K] float32 -> bfloat16 bits [T, Kp] uint16 (Kp = K padded to 32, zeros)."""
+    out = np.empty((X.shape[0], padded_inputs(X.shape[1])), np.uint16)
+    _round_rows(np.ascontiguousarray(X, np.float32), out)
+    return out
+
+
+def _dpbf16ps(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, x: ir.Value) -> ir.Value:
+    """acc + the pair products of w and x (both <16 x i32> holding bf16 pairs), one vdpbf16ps."""
+    # Inline assembly: LLVM's intrinsic for it takes <32 x bfloat>, a type llvmlite's IR builder
+    # lacks. Numba's JIT assembles inline asm only once the native asm parser is initialised.
+    llvm.initialize_native_asmparser()
+    asm_type = ir.FunctionType(_VF, [_VF, _VI, _VI])
+    asm = ir.InlineAsm(asm_type, "vdpbf16ps $3, $2, $0", "=v,0,v,v")
+    return builder.call(asm, [acc, w, x])
+
+
+def _pair_halves(builder: ir.IRBuilder, words: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(odd, even) float32 <16 x float> of 16 words each holding a bf16 pair (even in the low half)."""
+    odd = builder.and_(words, ir.Constant(_VI, [0xFFFF0000] * LANES))
+    even = builder.shl(words, ir.Constant(_VI, [16] * LANES))
+    return builder.bitcast(odd, _VF), builder.bitcast(even, _VF)
+
+
+def _lane_sum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
+    """The 16 lanes summed as a tree: lane i + lane i + 8, then + 4, + 2, + 1."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        lo = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+        hi = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
+        acc = builder.fadd(lo, hi)
+    return builder.extract_element(acc, ir.Constant(_I32, 0))
+
+
+def make_tile(rows: int, tokens: int):
+    """An intrinsic tile(w, xs, Y, n0, t0) writing Y[t0:t0+tokens, n0:n0+rows] for bf16 weights
+    w [N, K]. The activations' dtype picks the code path when it compiles: uint16 xs [T, Kp]
+    (bf16 bits, `round_to_bf16`) runs vdpbf16ps; float32 xs [T, Kp] (`split_pairs` of those
+    bits) runs the portable path."""
+
+    @intrinsic
+    def tile(typingctx, w, xs, Y, n0, t0):
+        if not isinstance(xs, types.Array) or xs.dtype not in (types.uint16, types.float32):
+            return None
+        native = xs.dtype == types.uint16
+        arrays = (w, xs, Y)
+        dtypes = (types.uint16, xs.dtype, types.float32)
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == d
+                   for a, d in zip(arrays, dtypes, strict=True)):
+            return None
+        sig = types.void(*arrays, types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            w_, xs_, y_ = (context.make_array(ty)(context, builder, a)
+                           for ty, a in zip(signature.args[:3], args[:3], strict=True))
+            n0_, t0_ = args[3:]
+            intp = n0_.type
+
+            def c(v: int) -> ir.Constant:
+                return ir.Constant(intp, v)
+
+            def load(arr, index, vt, align):
+                return builder.load(builder.bitcast(builder.gep(arr.data, [index]), vt.as_pointer()), align=align)
+
+            K = cgutils.unpack_tuple(builder, w_.shape)[1]
+            Kp = cgutils.unpack_tuple(builder, xs_.shape)[1]
+            N = cgutils.unpack_tuple(builder, y_.shape)[1]
+            wrow = [builder.mul(builder.add(n0_, c(r)), K) for r in range(rows)]
+            xrow = [builder.mul(builder.add(t0_, c(t)), Kp) for t in range(tokens)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(tokens)]
+                    for _ in range(rows)]
+
+            def step(words: list[ir.Value], k: ir.Value) -> None:
+                halves = [] if native else [_pair_halves(builder, wv) for wv in words]
+                for t in range(tokens):
+                    xk = builder.add(xrow[t], k)
+                    if native:
+                        xw = load(xs_, xk, _VI, 2)
+                    else:
+                        xo, xe = load(xs_, xk, _VF, 4), load(xs_, builder.add(xk, c(LANES)), _VF, 4)
+                    for r in range(rows):
+                        acc = builder.load(accs[r][t])
+                        if native:
+                            acc = _dpbf16ps(builder, acc, words[r], xw)
+                        else:
+                            acc = _fma(builder, halves[r][0], xo, acc)
+                            acc = _fma(builder, halves[r][1], xe, acc)
+                        builder.store(acc, accs[r][t])
+
+            full = builder.udiv(K, c(PAIR_BLOCK))
+            with cgutils.for_range(builder, full) as loop:
+                k = builder.mul(loop.index, c(PAIR_BLOCK))
+                step([load(w_, builder.add(wrow[r], k), _VI, 2) for r in range(rows)], k)
+            # The row's last partial block: a masked load, zeros past K (x is zero there too).
+            k = builder.mul(full, c(PAIR_BLOCK))
+            rest = builder.sub(K, k)
+            with builder.if_then(builder.icmp_signed(">", rest, c(0))):
+                lanes = ir.Constant(ir.VectorType(intp, PAIR_BLOCK), list(range(PAIR_BLOCK)))
+                mask = builder.icmp_signed("<", lanes, _splat(builder, rest, PAIR_BLOCK))
+                load_type = ir.FunctionType(_VH, [_VH.as_pointer(), _I32, ir.VectorType(_I1, PAIR_BLOCK), _VH])
+                masked_load = cgutils.get_or_insert_function(builder.module, load_type, "llvm.masked.load.v32i16.p0")
+                words = []
+                for r in range(rows):
+                    ptr = builder.bitcast(builder.gep(w_.data, [builder.add(wrow[r], k)]), _VH.as_pointer())
+                    half = builder.call(masked_load, [ptr, ir.Constant(_I32, 2), mask, ir.Constant(_VH, None)])
+                    words.append(builder.bitcast(half, _VI))
+                step(words, k)
+            for r in range(rows):
+                for t in range(tokens):
+                    out = builder.gep(y_.data, [builder.add(builder.mul(builder.add(t0_, c(t)), N),
+                                                            builder.add(n0_, c(r)))])
+                    builder.store(_lane_sum(builder, builder.load(accs[r][t])), out)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:
+    """acc + a * b. The product of two bf16 values is exact in float32, so a fused and an
+    unfused multiply-add give the same bits; the fused one is a single instruction."""
+    if not _HOST_FMA:
+        return builder.fadd(acc, builder.fmul(a, b))
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, acc])
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
+    vt = ir.VectorType(value.type, count)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(_I32, 0))
+    zeros = ir.Constant(ir.VectorType(_I32, count), [0] * count)
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), zeros)
+
+
+NATIVE = host_has_bf16_dot()
+_HOST_FMA = "fma" in _host_features()
+_rows_tile = make_tile(ROW_TILE, 1)
+_tokens_tile = make_tile(1, TOKEN_TILE)
+_one = make_tile(1, 1)
+
+
+@kernel
+def _row_block(w, xs, Y, n0, n1):
+    """Rows n0 .. n1 - 1 of Y for every token: tiles of 4 tokens by one row, the token tiles
+    outside so that the block's rows stay in cache while the activations pass once."""
+    T = Y.shape[0]
+    if T == 1:
+        n = n0
+        while n + ROW_TILE <= n1:
+            _rows_tile(w, xs, Y, n, 0)
+            n += ROW_TILE
+        for m in range(n, n1):
+            _one(w, xs, Y, m, 0)
+        return
+    t = 0
+    while t + TOKEN_TILE <= T:
+        for n in range(n0, n1):
+            _tokens_tile(w, xs, Y, n, t)
+        t += TOKEN_TILE
+    for u in range(t, T):
+        for n in range(n0, n1):
+            _one(w, xs, Y, n, u)
+
+
+@parallel_kernel
+def _run_blocks(w, xs, Y):
+    """The row blocks of Y [T, N] in parallel (serially when the product is small)."""
+    N = w.shape[0]
+    rows = ROW_TILE if Y.shape[0] == 1 else max(1, CHUNK_BLOCK_BYTES // (2 * w.shape[1]) // ROW_TILE) * ROW_TILE
+    blocks = (N + rows - 1) // rows
+    if w.size * 2 * Y.shape[0] <= SERIAL_BYTES:
+        for i in range(blocks):
+            _row_block(w, xs, Y, i * rows, min(N, i * rows + rows))
+    else:
+        for i in prange(blocks):
+            _row_block(w, xs, Y, i * rows, min(N, i * rows + rows))
+
+
+def bf16_matmul(w: np.ndarray, X: np.ndarray, *, native: bool = NATIVE) -> np.ndarray:
+    """Y [T, N] float32 = X W^T for bf16 bits w [N, K] and X [T, K] float32 (C-contiguous).
+
+    `native=False` runs the portable path on any host (the tests compare the two).
+    """
+    xs = np.empty((X.shape[0], padded_inputs(X.shape[1])), np.uint16 if native else np.float32)
+    (_round_rows if native else _round_split)(X, xs)
+    Y = np.empty((X.shape[0], w.shape[0]), np.float32)
+    _run_blocks(w, xs, Y)
+    return Y
