@@ -179,7 +179,9 @@ def test_bf16_weights_match_reference_on_their_values() -> None:
     rng = np.random.default_rng(7)
     w = _weights(cfg, rng)
     layer = _layer(cfg, w, fmt="bf16")
-    # The oracle reads what the bf16 matrices stand for; vectors stay float32.
+    # The oracle reads what the bf16 matrices stand for; vectors stay float32. bf16 products
+    # also round their activations to bf16 (2**-9 relative, docs/QUANT.md), which the oracle
+    # does not: 1e-2 of the output scale (measured 2.5e-3 through the layer's chain of products).
     wq = {k: quantize(v, "bf16").dequantize() if v.ndim == 2 else v for k, v in w.items()}
     x = rng.standard_normal((6, cfg.hidden_size)).astype(np.float32)
-    assert_close(layer.prefill(x, layer.new_cache(6)), naive_mla_layer(x, _f64(wq), cfg), RTOL)
+    assert_close(layer.prefill(x, layer.new_cache(6)), naive_mla_layer(x, _f64(wq), cfg), 1e-2)

@@ -56,6 +56,36 @@ def test_product_matches_reference(N: int, K: int, T: int) -> None:
         np.testing.assert_array_equal(m.matvec(X[t]), Y[t])
 
 
+def _vdpbf16ps_sequence(w_bits: np.ndarray, x_bits: np.ndarray) -> np.ndarray:
+    """The documented operation order in NumPy float32, from the Intel SDM's pseudocode of
+    vdpbf16ps: per lane i of 16, per block of 32 inputs, lane += odd product, then += even
+    product; then lanes summed i + 8, + 4, + 2, + 1. w_bits [N, K], x_bits [T, K] uint16."""
+    n, k = w_bits.shape
+    kp = -(-k // 32) * 32
+    w = np.zeros((n, kp), np.float32)
+    x = np.zeros((x_bits.shape[0], kp), np.float32)
+    w[:, :k] = (w_bits.astype(np.uint32) << 16).view(np.float32)
+    x[:, :k] = (x_bits.astype(np.uint32) << 16).view(np.float32)
+    acc = np.zeros((x.shape[0], n, 16), np.float32)  # [T, N, lanes]
+    for j in range(0, kp, 32):
+        for parity in (1, 0):
+            acc = acc + x[:, None, j + parity:j + 32:2] * w[None, :, j + parity:j + 32:2]
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half:2 * half]
+    return acc[..., 0]
+
+
+@pytest.mark.parametrize(("N", "K", "T"), [(13, 100, 6), (8, 64, 1), (5, 7, 3)])
+def test_portable_path_is_the_vdpbf16ps_sequence(N: int, K: int, T: int) -> None:
+    # Bit for bit: this is what makes it agree with the instruction on hosts that have it.
+    rng = np.random.default_rng(K + T)
+    w = (rng.standard_normal((N, K)) * 10.0 ** rng.uniform(-3, 3, (N, 1))).astype(ml_dtypes.bfloat16).view(np.uint16)
+    X = (rng.standard_normal((T, K)) * 10.0 ** rng.uniform(-3, 3, (T, 1))).astype(np.float32)
+    got = bf16.bf16_matmul(w, X, native=False)
+    want = _vdpbf16ps_sequence(w, bf16.round_to_bf16(X)[:, :K])
+    np.testing.assert_array_equal(got, want)
+
+
 def test_nan_and_inf_reach_their_outputs() -> None:
     rng = np.random.default_rng(5)
     m = quantize(rng.standard_normal((8, 64)).astype(np.float32), "bf16")

@@ -105,10 +105,12 @@ def test_swiglu_matches_reference(fmt: str) -> None:
     mats = [rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1]) for s in ((I, D), (I, D), (D, I))]
     q = [quantize(m, fmt) for m in mats]
     got = swiglu(x, *q)
-    # The reference reads what the matrices stand for (bf16-rounded weights for bf16).
+    # The reference reads what the matrices stand for (bf16-rounded weights for bf16). bf16
+    # products also round their activations to bf16 (2**-9 relative), which the reference does
+    # not: 1e-2 of the output scale for bf16 (measured 2.5e-3), 1e-5 for f32.
     want = ref.swiglu(x, *(m.dequantize().astype(np.float64) for m in q))
     assert got.shape == (T, D) and got.dtype == np.float32
-    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    assert np.max(np.abs(got - want)) <= (1e-5 if fmt == "f32" else 1e-2) * np.max(np.abs(want))
 
 
 def test_silu_mul_extremes_are_finite() -> None:
