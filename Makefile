@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 DEMO_DIR ?= .demo
 
-.PHONY: demo test lint lab bench clean
+.PHONY: demo test lint lab bench bench-peer clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: $(VENV)
 	$(BIN)/python bench/quant.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/streaming.py
+
+# waste against llama.cpp built from source (network, ~GBs in ~/.cache/waste-peer; not in test or CI)
+bench-peer: $(VENV)
+	$(BIN)/python bench/peer.py
 
 clean:
 	rm -rf $(VENV) .numba_cache $(DEMO_DIR) .pytest_cache
