@@ -38,14 +38,17 @@ def test_route_matches_reference(E, k, groups, keep, mode, renorm, scaling) -> N
     assert ids.dtype == np.int64 and w.dtype == np.float32 and ids.shape == (T, k)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_allclose(w, ref_w, rtol=1e-6)
-    # Rank order: corrected scores are non-increasing along each row.
+    # Rank order: choice scores (corrected, 0 in dropped groups) are non-increasing along each row.
     s = 1 / (1 + np.exp(-logits.astype(np.float64)))
-    corrected = np.take_along_axis(s + bias, ids, axis=1)
-    assert np.all(np.diff(corrected, axis=1) <= 0)
+    c = s + bias
+    size = E // groups
+    group_score = np.sort(c.reshape(T, groups, size), axis=-1)[..., -2:].sum(-1) if size > 1 else c
+    kept = np.zeros((T, groups), bool)
+    np.put_along_axis(kept, np.argsort(-group_score, axis=1, kind="stable")[:, :keep], True, axis=1)
+    choice = np.where(np.repeat(kept, size, axis=1), c, 0.0)
+    assert np.all(np.diff(np.take_along_axis(choice, ids, axis=1), axis=1) <= 0)
     for t in range(T):
         assert len(set(ids[t])) == k
-        if groups > 1:
-            assert len({e // (E // groups) for e in ids[t]}) <= keep
 
 
 def test_bias_chooses_but_does_not_weigh() -> None:
@@ -73,6 +76,19 @@ def test_ties_pick_the_lowest_index() -> None:
     np.testing.assert_array_equal(ref_ids, ids)
 
 
+def test_dropped_groups_are_zeroed_not_removed() -> None:
+    # c = s + bias = [1.4, -0.4, 0.6, 0.1]: group 0 scores 1.0, group 1 scores 0.7 and is dropped.
+    # Expert 1's biased score is negative, so dropped expert 2 (choice score 0, the lower index
+    # of the two zeros) outranks it.
+    s = np.array([0.5, 0.2, 0.3, 0.1])
+    bias = np.array([0.9, -0.6, 0.3, 0.0], np.float32)
+    logits = np.log(s / (1 - s)).astype(np.float32)[None, :]
+    for router in (route, ref.route):
+        ids, w = router(logits, bias, top_k=2, num_groups=2, topk_group=1, scaling=1.0)
+        np.testing.assert_array_equal(ids, [[0, 2]])
+        np.testing.assert_allclose(w, [[0.5 / 0.8, 0.3 / 0.8]], rtol=1e-6)
+
+
 def test_router_logits_are_float32_products() -> None:
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 16)).astype(np.float32)
@@ -92,7 +108,7 @@ def test_route_rejects_bad_arguments() -> None:
     with pytest.raises(WasteError, match="groups"):
         route(logits, bias, top_k=2, num_groups=3)
     with pytest.raises(WasteError, match="top_k"):
-        route(logits, bias, top_k=5, num_groups=4, topk_group=2)
+        route(logits, bias, top_k=9, num_groups=4, topk_group=2)
     with pytest.raises(WasteError, match="8 values"):
         route(logits, np.zeros(7, np.float32), top_k=2)
 

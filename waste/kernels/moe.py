@@ -5,13 +5,16 @@ Routing per token (FACTS.md, float32 throughout like transformers' KimiLinearTop
     s = sigmoid(x W_router^T)                 # [E]
     c = s + e_score_correction_bias           # used only to choose
     group score = sum of the top-2 c in the group (top-1 when groups hold one expert);
-    keep the topk_group best groups, drop the experts of the others
-    ids = top-k of c among the kept experts, in rank order (best first)
+    keep the topk_group best groups; the experts of the others choose with c = 0
+    ids = top-k of those choice scores, in rank order (best first)
     w = s[ids] ("unbiased": transformers, vLLM)  |  c[ids] ("biased": the official remote code)
     w = w / (sum(w) + 1e-20) if renormalize;  w = w * routed_scaling_factor
 
-Ties: among equal values the lowest index ranks first (groups and experts alike); the float64
-reference in `waste.reference.moe` uses the same rule.
+Dropped groups are zeroed, not removed (FACTS.md, K3; the DeepSeek-style remote code and mlx-lm
+do this, vLLM masks with -inf): they differ only when a kept expert's biased score is negative,
+which a dropped expert at 0 then outranks. Ties: among equal values the lowest index ranks
+first (groups and experts alike); the float64 reference in `waste.reference.moe` uses the
+same rules.
 
 Shapes: logits [T, E]; ids, weights [T, k]; x [T, in]; expert weights gate/up [I, in], down [out, I].
 """
@@ -34,7 +37,8 @@ def _route(logits, bias, top_k, n_group, topk_group, renormalize, scaling, biase
     one = np.float32(1.0)
     s = np.empty(E, np.float32)
     c = np.empty(E, np.float32)
-    allowed = np.empty(E, np.bool_)
+    choice = np.empty(E, np.float32)
+    taken = np.empty(E, np.bool_)
     group_score = np.empty(n_group, np.float32)
     group_kept = np.empty(n_group, np.bool_)
     for t in range(T):
@@ -60,17 +64,18 @@ def _route(logits, bias, top_k, n_group, topk_group, renormalize, scaling, biase
                         best = g
                 group_kept[best] = True
             for e in range(E):
-                allowed[e] = group_kept[e // group_size]
+                choice[e] = c[e] if group_kept[e // group_size] else np.float32(0.0)
         else:
-            allowed[:] = True
+            choice[:] = c
+        taken[:] = False
         total = np.float32(0.0)
         for i in range(top_k):
             best = -1
             for e in range(E):
                 # Strict '>' keeps the lowest index among equal values.
-                if allowed[e] and (best < 0 or c[e] > c[best]):
+                if not taken[e] and (best < 0 or choice[e] > choice[best]):
                     best = e
-            allowed[best] = False
+            taken[best] = True
             ids[t, i] = best
             w = c[best] if biased else s[best]
             weights[t, i] = w
@@ -127,8 +132,8 @@ def route(
         raise WasteError(f"router_weights must be one of {', '.join(ROUTER_WEIGHTS)}, got {router_weights!r}")
     if num_groups < 1 or E % num_groups or not 1 <= topk_group <= num_groups:
         raise WasteError(f"{E} experts cannot form {num_groups} groups keeping {topk_group}")
-    if not 1 <= top_k <= E // num_groups * topk_group:
-        raise WasteError(f"top_k {top_k} must lie in 1..{E // num_groups * topk_group} (experts in the kept groups)")
+    if not 1 <= top_k <= E:
+        raise WasteError(f"top_k {top_k} must lie in 1..{E}")
     ids = np.empty((T, top_k), np.int64)
     weights = np.empty((T, top_k), np.float32)
     _route(logits, bias, top_k, num_groups, topk_group, renormalize, np.float32(scaling),

@@ -48,7 +48,8 @@ def route(
             members = sorted(c[g * size : (g + 1) * size], reverse=True)
             groups.append((-sum(members[:2]), g))
         kept = {g for _, g in sorted(groups)[:topk_group]}
-        candidates = [(-c[e], e) for e in range(E) if e // size in kept]
+        # Experts of dropped groups still compete, with a choice score of 0 (FACTS.md, K3).
+        candidates = [(-c[e] if e // size in kept else 0.0, e) for e in range(E)]
         chosen = [e for _, e in sorted(candidates)[:top_k]] if forced_ids is None else list(forced_ids[t])
         w = np.array([c[e] if router_weights == "biased" else s[e] for e in chosen])
         if renormalize:
@@ -83,10 +84,12 @@ def moe_ffn(
     scaling: float = 1.0,
     router_weights: str = "unbiased",
     forced_ids: np.ndarray | None = None,
+    mlp: Callable[..., np.ndarray] = swiglu,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Routed experts plus the (unscaled) shared expert, token by token.
 
-    x [T, hidden]; router_weight [E, hidden]; expert(e) -> float64 (w1 gate, w3 up, w2 down).
+    x [T, hidden]; router_weight [E, hidden]; expert(e) -> float64 (w1 gate, w3 up, w2 down);
+    mlp(x, gate, up, down) is the experts' gated MLP (SwiGLU unless given).
     Returns (y [T, hidden], ids [T, k], weights [T, k]); `ids` is always this router's own
     choice, also when `forced_ids` [T, k] sets the experts actually applied.
     """
@@ -101,8 +104,8 @@ def moe_ffn(
     y = np.zeros_like(x)
     for t in range(x.shape[0]):
         for e, w in zip(ids[t], weights[t], strict=True):
-            y[t] += w * swiglu(x[t : t + 1], *expert(int(e)))[0]
+            y[t] += w * mlp(x[t : t + 1], *expert(int(e)))[0]
     if shared is not None:
-        y += swiglu(x, *shared)
+        y += mlp(x, *shared)
     return y, own_ids, weights
 
