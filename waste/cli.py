@@ -98,9 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sweep", action="store_true", help="context-dependent lines from 1K to the model's maximum")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    s = command("synth", help="write a random Hugging Face style checkpoint for a preset")
+    s = command("synth", help="write a random Hugging Face style checkpoint (or, with --quant, a container)")
     s.add_argument("preset", help="preset name or path to a config.json")
-    s.add_argument("out_dir")
+    s.add_argument("out_dir", help="checkpoint directory, or NAME.waste with --quant")
+    s.add_argument("--quant", choices=("f32", "q8", "q4"), default=None,
+                   help="write a container in this scheme directly (no checkpoint; float32 values)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar (with --quant)")
     s.add_argument("--seed", type=SEED, default=0)
     s.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     s.add_argument("--expert-format", choices=("mxfp4", "bf16", "f32"), default=None,

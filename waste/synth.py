@@ -250,7 +250,12 @@ def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir
 
 def cmd_synth(args: argparse.Namespace) -> int:
     """`waste synth PRESET OUT_DIR [--seed S] [--dtype bf16|f32] [--expert-format mxfp4|bf16|f32]
-    [--attn-res-spelling canonical|dotted] [--shard-size 512M] [--force]`."""
+    [--attn-res-spelling canonical|dotted] [--shard-size 512M] [--force]`; with `--quant`, a
+    container instead (`waste.synth_container`)."""
+    if getattr(args, "quant", None):
+        from waste.synth_container import cmd_synth_container
+
+        return cmd_synth_container(args)
     shard_bytes = parse_size(getattr(args, "shard_size", None) or "512M", "shard size")
     out = synthesize(args.preset, args.out_dir, seed=args.seed, dtype=args.dtype, shard_bytes=shard_bytes,
                      force=args.force, expert_format=getattr(args, "expert_format", None),

@@ -1,0 +1,111 @@
+"""`waste synth PRESET OUT.waste --quant q4|q8|f32`: random weights straight into a container.
+
+The values are exactly those `waste.synth` writes to a float32 checkpoint (each tensor from
+its own generator seeded by (seed, CRC32 of its name)), and they go through the same
+`ContainerWriter` as `waste convert`, so the container's trunk.bin and experts.bin are byte
+for byte those of `synth --dtype f32` followed by `convert` (a test holds it); only the
+manifest's `source` differs. No checkpoint is written: Kimi-Linear-48B-A3B would take 96 GB
+in bf16, its q4 container takes 27 GB.
+
+Work is a pipeline: a small thread pool draws tensors' values (NumPy's generators release
+the GIL while they fill), the calling thread quantises each (the Numba quantiser, itself on
+every core) and writes it. Tensors are drawn in file order, and the bytes drawn but not yet
+written are bounded (`max_pending_bytes`, or the one tensor larger than that), so memory
+stays bounded whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from waste.config import ModelConfig
+from waste.container.format import SCHEMES, expected_tensors, parse_expert_name
+from waste.container.writer import ContainerWriter
+from waste.errors import WasteError
+from waste.synth import checkpoint_tensors, resolve_config, synth_values
+from waste.tokenizer import CONTAINER_DIR as TOKENIZER_DIR
+from waste.tokenizer import file_record, synthetic_tokenizer_files
+from waste.units import human_bytes
+
+DEFAULT_PENDING_BYTES = 256 << 20
+
+
+def synthesize_container(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out: str | Path, *,
+                         quant: str = "q4", seed: int = 0, force: bool = False, progress: bool = True,
+                         threads: int = 2, max_pending_bytes: int = DEFAULT_PENDING_BYTES) -> Path:
+    """Write a container of random weights for a config at `out` (scheme `quant`); its path."""
+    from tqdm import tqdm
+
+    cfg = resolve_config(cfg_or_preset)
+    if cfg.expert_quant is not None:
+        raise WasteError(f"synth --quant draws float experts; this config ships {cfg.expert_quant} experts: "
+                         "use waste synth then waste convert")
+    if quant not in SCHEMES:
+        raise WasteError(f"unknown quantisation scheme {quant!r}; expected one of {', '.join(SCHEMES)}")
+    if threads < 1:
+        raise WasteError(f"synth threads must be at least 1, got {threads}")
+    tensors = checkpoint_tensors(cfg)
+    trunk = expected_tensors(cfg)
+    total = sum(4 * int(np.prod(s)) for s in tensors.values())
+    source: dict[str, Any] = {"synth": {"seed": seed, "dtype": "f32"}}
+    tokenizer = synthetic_tokenizer_files(cfg) or {}  # as synth writes it and convert carries it
+    if tokenizer:
+        source["tokenizer"] = file_record(tokenizer)
+    names = iter(tensors.items())
+    pending: deque[tuple[str, int, Future[np.ndarray]]] = deque()
+    pending_bytes = 0
+    with ContainerWriter(out, cfg, quant, trunk, force=force, extra={"source": source}) as w, \
+            ThreadPoolExecutor(threads, "waste-synth") as pool, \
+            tqdm(total=total, unit="B", unit_scale=True, desc=f"synth {quant}", file=sys.stderr,
+                 disable=not progress, leave=False) as bar:
+        while True:
+            # Keep the pool busy, but never hold more than max_pending_bytes of drawn values
+            # (one tensor may exceed it on its own: the embedding and lm_head at real sizes).
+            while not pending or pending_bytes < max_pending_bytes:
+                item = next(names, None)
+                if item is None:
+                    break
+                name, shape = item
+                nbytes = 4 * int(np.prod(shape))
+                pending.append((name, nbytes, pool.submit(synth_values, name, shape, cfg, seed)))
+                pending_bytes += nbytes
+            if not pending:
+                break
+            name, nbytes, future = pending.popleft()
+            values = future.result()
+            expert = parse_expert_name(name)
+            if expert is not None:
+                w.write_expert(*expert, values)
+            else:
+                w.write_tensor(name, values)
+            del values
+            pending_bytes -= nbytes
+            bar.update(nbytes)
+        w.add_files(TOKENIZER_DIR, tokenizer)
+        return w.finish()
+
+
+def cmd_synth_container(args: argparse.Namespace) -> int:
+    """`waste synth PRESET OUT.waste --quant f32|q8|q4 [--seed S] [--force] [--quiet]`."""
+    from waste.container.reader import open_container
+
+    if args.dtype != "bf16" or getattr(args, "shard_size", None) not in (None, "512M"):
+        raise WasteError("--dtype and --shard-size describe a checkpoint; with --quant the values are float32 "
+                         "and go straight into the container")
+    t0 = time.perf_counter()
+    out = synthesize_container(args.preset, args.out_dir, quant=args.quant, seed=args.seed, force=args.force,
+                               progress=not getattr(args, "quiet", False))
+    with open_container(out) as c:
+        counts = c.byte_counts()
+    print(f"{out}: scheme {args.quant}, seed {args.seed}, trunk {human_bytes(counts['trunk_bytes'])}, experts "
+          f"{human_bytes(counts['expert_bytes'])} ({counts['expert_layers']} x {counts['num_experts']} blobs of "
+          f"{human_bytes(counts['expert_blob_bytes'])}), {time.perf_counter() - t0:.0f} s")
+    return 0
