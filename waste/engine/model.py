@@ -1,9 +1,13 @@
-"""The batch-1 Kimi-Linear forward over a container: prefill (layer-major chunks) and decode.
+"""The batch-1 forward of Kimi-Linear and K3 over a container: prefill (layer-major chunks) and decode.
 
     h = embed(ids)
     per layer: h += attn(RMSNorm(h))   attn = KDA (recurrent state) or MLA (latent cache)
-               h += ffn(RMSNorm(h))    ffn = dense SwiGLU (first_k_dense_replace) or MoE
+               h += ffn(RMSNorm(h))    ffn = dense MLP (first_k_dense_replace) or MoE
     logits = lm_head(RMSNorm(h))
+
+K3 differs in three places, each in its own module: the residual stream is AttnRes (every
+RMSNorm reads a depth-attention mix of block summaries instead of h; `waste.engine.residual`),
+the MoE is latent (`waste.engine.latent_moe`), and every MLP uses the SiTU activation.
 
 Prefill runs a chunk of tokens through every layer before the next chunk (layer-major),
 so each projection is one matrix product over the chunk and each routed expert a chunk
@@ -22,8 +26,11 @@ import numpy as np
 
 from waste.engine.experts import ExpertStore, MmapExpertStore
 from waste.engine.kda_layer import KDALayer
+from waste.engine.latent_moe import LatentMoELayer
 from waste.engine.mla_layer import MLALayer
 from waste.engine.moe_layer import DenseFFN, MoELayer
+from waste.engine.norms import rms_norm
+from waste.engine.residual import AttnResResidual, AttnResWeights, PlainResidual
 from waste.engine.session import Session, read_session_file, restore_session
 from waste.engine.trace import expand_hits
 from waste.errors import NonFiniteError, WasteError
@@ -44,14 +51,13 @@ def check_finite(x: np.ndarray, where: str, positions: np.ndarray) -> None:
                          "the container's weights (or the session) produce them")
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """Row-wise RMSNorm of x [T, D] in float32."""
-    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-    return (x / np.sqrt(ms + np.float32(eps))).astype(np.float32) * weight
-
-
 class Observer(Protocol):
-    """Receives what happens inside a forward pass (per-layer outputs, routing)."""
+    """Receives what happens inside a forward pass (per-layer outputs, routing).
+
+    `hidden` is the layer's output residual stream (for K3 the AttnRes partial sum). An observer
+    may also define `on_attn_res(layer, site, positions, weights, mixed)` to see the AttnRes
+    depth-attention weights of every mix (K3 only; documented in `waste.engine.residual`).
+    """
 
     def on_layer(self, layer: int, positions: np.ndarray, hidden: np.ndarray) -> None: ...
 
@@ -73,13 +79,10 @@ class LayerTimes:
 
 
 class Model:
-    """A Kimi-Linear model held over an open container."""
+    """A Kimi-Linear or K3 model held over an open container."""
 
     def __init__(self, container: Any, *, store: ExpertStore | None = None, router_weights: str = "unbiased"):
         cfg = container.config
-        if cfg.model_type != "kimi_linear" and (cfg.routed_expert_hidden_size or cfg.hidden_act != "silu"):
-            raise WasteError(f"{container.path}: the engine runs kimi_linear-style models; "
-                             "latent MoE and the situ activation (K3) are planner-only for now")
         self.container = container
         self.config = cfg
         self.store = store if store is not None else MmapExpertStore(container)
@@ -99,8 +102,10 @@ class Model:
             if i < cfg.first_k_dense_replace:
                 self.ffn.append(DenseFFN.from_weights(cfg, get_matrix, get_tensor, p + "mlp."))
             else:
-                self.ffn.append(MoELayer.from_weights(cfg, get_matrix, get_tensor, p + "block_sparse_moe.", i,
-                                                      router_weights=router_weights))
+                moe_cls = LatentMoELayer if cfg.routed_expert_hidden_size is not None else MoELayer
+                self.ffn.append(moe_cls.from_weights(cfg, get_matrix, get_tensor, p + "block_sparse_moe.", i,
+                                                     router_weights=router_weights))
+        self.attn_res = AttnResWeights.from_weights(cfg, get_tensor) if cfg.attn_res_block_size else None
 
     # sessions -----------------------------------------------------------------------------
 
@@ -141,18 +146,20 @@ class Model:
 
     def _layers(self, h: np.ndarray, positions: np.ndarray, session: Session, phase: str,
                 observer: Observer | None) -> np.ndarray:
-        """Run h [T, hidden] through every layer; T == 1 with phase 'decode' uses the decode paths."""
+        """Run the embedding h [T, hidden] through every layer -> what the final norm reads;
+        T == 1 with phase 'decode' uses the decode paths."""
         cfg, times = self.config, self.times
         decode = phase == "decode"
+        stream = PlainResidual(h) if self.attn_res is None else AttnResResidual(self.attn_res, h)
         for i, kind in enumerate(cfg.layer_kinds):
             t0 = time.perf_counter()
-            x = rms_norm(h, self.input_norms[i], cfg.rms_norm_eps)
+            x = rms_norm(stream.attn_input(i, positions, observer), self.input_norms[i], cfg.rms_norm_eps)
             state = session.kda[i] if kind == "kda" else session.mla[i]
             a = self.attn[i].decode(x[0], state)[None, :] if decode else self.attn[i].prefill(x, state)
-            h = h + a
-            check_finite(h, f"layer {i} ({kind} attention)", positions)
+            stream.add(a)
+            check_finite(a, f"layer {i} ({kind} attention)", positions)
             t0 = times.add(kind, t0)
-            x = rms_norm(h, self.post_norms[i], cfg.rms_norm_eps)
+            x = rms_norm(stream.ffn_input(i, positions, observer), self.post_norms[i], cfg.rms_norm_eps)
             ffn = self.ffn[i]
             if isinstance(ffn, MoELayer):
                 f, routing = ffn.forward(x, self.store)
@@ -164,11 +171,11 @@ class Model:
             else:
                 f = ffn.forward(x)
                 times.add("dense", t0)
-            h = h + f
-            check_finite(h, f"layer {i} ({'MoE' if isinstance(ffn, MoELayer) else 'dense'} FFN)", positions)
+            stream.add(f)
+            check_finite(f, f"layer {i} ({'MoE' if isinstance(ffn, MoELayer) else 'dense'} FFN)", positions)
             if observer is not None:
-                observer.on_layer(i, positions, h)
-        return h
+                observer.on_layer(i, positions, stream.hidden)
+        return stream.output(positions, observer)
 
     def _logits(self, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()

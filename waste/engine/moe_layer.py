@@ -1,4 +1,4 @@
-"""The FFN half of a block: routed MoE with shared experts, or the dense SwiGLU of the first layers.
+"""The FFN half of a block: routed MoE with shared experts, or the dense MLP of the first layers.
 
 A MoE forward over a chunk of T tokens routes all of them, fetches each unique routed expert
 of the chunk once (one `store.get` call, ids sorted) and applies it to every token that chose
@@ -7,6 +7,10 @@ expert traffic the chunk saved against token-by-token execution.
 
 The expert store interface (`waste.engine.experts` implements it):
 `store.get(layer_index, expert_ids: list[int]) -> list[(w1 gate, w3 up, w2 down)]` of QMatrix.
+
+Every MLP here (dense, shared and routed experts) is gated: down(act(gate x, up x)), with
+act = SiLU(g) * u (SwiGLU, `hidden_act` "silu") or SiTU (K3, "situ"; see `waste.kernels.moe`).
+The latent MoE of K3 lives beside this in `waste.engine.latent_moe`.
 
 Input x is the residual stream after post_attention_layernorm; shapes x, y [T, hidden].
 """
@@ -21,12 +25,13 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
-from waste.kernels.moe import ROUTER_WEIGHTS, route, router_logits, swiglu
+from waste.kernels.moe import ROUTER_WEIGHTS, route, router_logits, situ_mlp, swiglu
 from waste.kernels.quant import QMatrix
 
 GetMatrix = Callable[[str], QMatrix]
 GetTensor = Callable[[str], np.ndarray]
 Expert = tuple[QMatrix, QMatrix, QMatrix]
+ExpertMLP = Callable[[np.ndarray, QMatrix, QMatrix, QMatrix], np.ndarray]  # (x, gate, up, down) -> y
 
 
 class ExpertSource(Protocol):
@@ -43,13 +48,23 @@ class RoutingInfo:
     dedup_ratio: float  # T*k / U
 
 
-def _check_act(cfg: ModelConfig) -> None:
-    if cfg.hidden_act != "silu":
-        raise WasteError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu' SwiGLU experts)")
+def expert_mlp(cfg: ModelConfig) -> ExpertMLP:
+    """The gated MLP product of the config's `hidden_act`: SwiGLU, or SiTU with its two betas."""
+    if cfg.hidden_act == "silu":
+        return swiglu
+    if cfg.hidden_act != "situ":
+        raise WasteError(f"hidden_act {cfg.hidden_act!r} is not supported (expected 'silu' or 'situ')")
+    beta = 1.0 if cfg.situ_beta is None else cfg.situ_beta
+    linear_beta = cfg.situ_linear_beta
+
+    def situ(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix) -> np.ndarray:
+        return situ_mlp(x, gate, up, down, beta, linear_beta)
+
+    return situ
 
 
 def _mlp(get_matrix: GetMatrix, prefix: str, hidden: int, inner: int) -> Expert:
-    """(gate, up, down) of a SwiGLU MLP named `{prefix}{gate,up,down}_proj.weight`, shapes checked."""
+    """(gate, up, down) of a gated MLP named `{prefix}{gate,up,down}_proj.weight`, shapes checked."""
     out = []
     for name, shape in (("gate_proj", (inner, hidden)), ("up_proj", (inner, hidden)), ("down_proj", (hidden, inner))):
         m = get_matrix(f"{prefix}{name}.weight")
@@ -60,19 +75,19 @@ def _mlp(get_matrix: GetMatrix, prefix: str, hidden: int, inner: int) -> Expert:
 
 
 class DenseFFN:
-    """The dense SwiGLU MLP of layers < first_k_dense_replace: forward(x [T, hidden]) -> y [T, hidden]."""
+    """The dense MLP of layers < first_k_dense_replace: forward(x [T, hidden]) -> y [T, hidden]."""
 
-    def __init__(self, gate: QMatrix, up: QMatrix, down: QMatrix):
+    def __init__(self, gate: QMatrix, up: QMatrix, down: QMatrix, mlp: ExpertMLP = swiglu):
         self.gate, self.up, self.down = gate, up, down
+        self.mlp = mlp
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str) -> DenseFFN:
         """Build from a container; prefix like 'model.layers.0.mlp.'."""
-        _check_act(cfg)
-        return cls(*_mlp(get_matrix, prefix, cfg.hidden_size, cfg.intermediate_size))
+        return cls(*_mlp(get_matrix, prefix, cfg.hidden_size, cfg.intermediate_size), mlp=expert_mlp(cfg))
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        return swiglu(x, self.gate, self.up, self.down)
+        return self.mlp(x, self.gate, self.up, self.down)
 
 
 class MoELayer:
@@ -94,6 +109,7 @@ class MoELayer:
         self.score_bias = np.ascontiguousarray(score_bias, np.float32)  # [E]
         self.shared = shared
         self.router_weights = router_weights
+        self.mlp = expert_mlp(cfg)
         self.top_k = cfg.num_experts_per_token
         self.num_groups = cfg.num_expert_group
         self.topk_group = cfg.topk_group
@@ -112,21 +128,9 @@ class MoELayer:
         router_weights: str = "unbiased",
     ) -> MoELayer:
         """Build from a container; prefix like 'model.layers.3.block_sparse_moe.'."""
-        _check_act(cfg)
         if cfg.routed_expert_hidden_size is not None:
-            raise WasteError("latent MoE (routed_expert_hidden_size) is not supported")
-        E, hidden = cfg.num_experts, cfg.hidden_size
-        w = np.asarray(get_tensor(prefix + "gate.weight"), np.float32)
-        if w.shape != (E, hidden):
-            raise WasteError(f"{prefix}gate.weight: expected shape {[E, hidden]}, got {list(w.shape)}")
-        b = np.asarray(get_tensor(prefix + "gate.e_score_correction_bias"), np.float32).reshape(-1)
-        if b.shape != (E,):
-            raise WasteError(f"{prefix}gate.e_score_correction_bias: expected {E} values, got {list(b.shape)}")
-        shared = None
-        if cfg.num_shared_experts:
-            inner = cfg.moe_intermediate_size * cfg.num_shared_experts
-            shared = _mlp(get_matrix, prefix + "shared_experts.", hidden, inner)
-        return cls(cfg, layer_index, w, b, shared, router_weights)
+            raise WasteError("a latent MoE (routed_expert_hidden_size) is a LatentMoELayer")
+        return cls(cfg, layer_index, *router_and_shared(cfg, get_matrix, get_tensor, prefix), router_weights)
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """x [T, hidden] -> (ids [T, k] int64 in rank order, weights [T, k] float32)."""
@@ -136,29 +140,56 @@ class MoELayer:
             router_weights=self.router_weights,
         )
 
-    def forward(self, x: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
-        """x [T, hidden] -> (y [T, hidden], RoutingInfo); each unique expert fetched once."""
+    def _check_input(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, np.float32)
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise WasteError(f"MoE input must be [T, {self.hidden}], got shape {x.shape}")
+        return x
+
+    def routed(self, x: np.ndarray, z: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
+        """Route on x [T, hidden], run the chosen experts on z [T, in] (in = the experts' input
+        width) -> (weighted sum of the expert outputs [T, in], RoutingInfo); each unique expert
+        fetched once."""
         ids, weights = self.route(x)
         unique = np.unique(ids)
         experts = store.get(self.layer_index, [int(e) for e in unique])
         if len(experts) != len(unique):
             raise WasteError(f"expert store returned {len(experts)} experts for {len(unique)} requested ids")
-        y = np.zeros_like(x)
-        if x.shape[0] == 1:
+        y = np.zeros_like(z)
+        if z.shape[0] == 1:
             # Decode: the same sums in the same (sorted id) order without the row bookkeeping
             # below, which cost about 60 us per layer per token on `mini`.
             rank = {e: r for r, e in enumerate(ids[0].tolist())}
             for e, (w1, w3, w2) in zip(unique.tolist(), experts, strict=True):
-                y += weights[0, rank[e]] * swiglu(x, w1, w3, w2)
+                y += weights[0, rank[e]] * self.mlp(z, w1, w3, w2)
         else:
             for e, (w1, w3, w2) in zip(unique, experts, strict=True):
                 # Top-k ids are distinct per token, so each row appears at most once here.
                 rows, ranks = np.nonzero(ids == e)
-                y[rows] += weights[rows, ranks, None] * swiglu(x[rows], w1, w3, w2)
+                y[rows] += weights[rows, ranks, None] * self.mlp(z[rows], w1, w3, w2)
+        return y, RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
+
+    def forward(self, x: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
+        """x [T, hidden] -> (y [T, hidden], RoutingInfo): routed experts plus the shared ones."""
+        x = self._check_input(x)
+        y, info = self.routed(x, x, store)
         if self.shared is not None:
-            y += swiglu(x, *self.shared)
-        info = RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
+            y += self.mlp(x, *self.shared)
         return y, info
+
+
+def router_and_shared(cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str
+                      ) -> tuple[np.ndarray, np.ndarray, Expert | None]:
+    """(router weight [E, hidden], score bias [E], shared experts or None) of a MoE block, shapes checked."""
+    E, hidden = cfg.num_experts, cfg.hidden_size
+    w = np.asarray(get_tensor(prefix + "gate.weight"), np.float32)
+    if w.shape != (E, hidden):
+        raise WasteError(f"{prefix}gate.weight: expected shape {[E, hidden]}, got {list(w.shape)}")
+    b = np.asarray(get_tensor(prefix + "gate.e_score_correction_bias"), np.float32).reshape(-1)
+    if b.shape != (E,):
+        raise WasteError(f"{prefix}gate.e_score_correction_bias: expected {E} values, got {list(b.shape)}")
+    shared = None
+    if cfg.num_shared_experts:
+        inner = cfg.moe_intermediate_size * cfg.num_shared_experts
+        shared = _mlp(get_matrix, prefix + "shared_experts.", hidden, inner)
+    return w, b, shared

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from waste.errors import WasteError
+from waste.reference.k3 import depth_attention, latent_moe_ffn, mlp_for
 from waste.reference.kda import naive_kda_layer
 from waste.reference.mla import naive_mla_layer, rms_norm
-from waste.reference.moe import moe_ffn, swiglu
+from waste.reference.moe import moe_ffn
 from waste.reference.quant import reference_dequantize
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
@@ -40,7 +41,8 @@ LM_HEAD_BLOCK = 2048  # vocabulary rows decoded to float64 at a time (bounds the
 @dataclass
 class ReferenceOutput:
     """logits [T, vocab]; hidden_states: L + 1 arrays [T, hidden] (embedding, then each layer's output,
-    before the final norm); routing: MoE layer index -> expert ids [T, k] in rank order."""
+    before the final norm; with AttnRes the partial sum of the layer's block); routing: MoE layer
+    index -> expert ids [T, k] in rank order."""
 
     logits: np.ndarray
     hidden_states: list[np.ndarray]
@@ -54,11 +56,9 @@ class ReferenceModel:
         if router_weights not in ROUTER_WEIGHTS:
             raise WasteError(f"router_weights must be one of {', '.join(ROUTER_WEIGHTS)}, got {router_weights!r}")
         cfg = container.config
-        if cfg.hidden_act != "silu" or cfg.routed_expert_hidden_size is not None:
-            raise WasteError("the reference model runs SwiGLU experts over the hidden width only "
-                             "(no situ activation, no latent MoE)")
         self.container = container
         self.config = cfg
+        self.mlp = mlp_for(cfg)  # SwiGLU or SiTU: dense, shared and routed experts alike
         self.router_weights = router_weights
         # Dequantised float64 weights are kept while they fit this budget, so repeated forwards
         # on a tiny model do not dequantise again; past it they are rebuilt on every use.
@@ -141,25 +141,46 @@ class ReferenceModel:
         cfg = self.config
         if layer < cfg.first_k_dense_replace:
             p = f"model.layers.{layer}.mlp."
-            return swiglu(x, *(self.matrix(f"{p}{n}_proj.weight") for n in ("gate", "up", "down"))), None
+            return self.mlp(x, *(self.matrix(f"{p}{n}_proj.weight") for n in ("gate", "up", "down"))), None
         p = f"model.layers.{layer}.block_sparse_moe."
         shared = None
         if cfg.num_shared_experts:
             shared = tuple(self.matrix(f"{p}shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
-        y, ids, _ = moe_ffn(
-            x, self.tensor(p + "gate.weight"), self.tensor(p + "gate.e_score_correction_bias"),
-            lambda e: self.expert(layer, e), shared,
+        route_options = dict(
             top_k=cfg.num_experts_per_token, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
             renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor, router_weights=self.router_weights,
-            forced_ids=forced_ids,
         )
+        router, bias = self.tensor(p + "gate.weight"), self.tensor(p + "gate.e_score_correction_bias")
+        if cfg.routed_expert_hidden_size is not None:
+            norm = self.tensor(p + "routed_expert_norm.weight") if cfg.latent_moe_use_norm else None
+            return latent_moe_ffn(
+                x, router, bias, lambda e: self.expert(layer, e), shared,
+                self.matrix(p + "routed_expert_down_proj.weight"), self.matrix(p + "routed_expert_up_proj.weight"),
+                norm, mlp=self.mlp, eps=cfg.rms_norm_eps, route_options=route_options, forced_ids=forced_ids,
+            )
+        y, ids, _ = moe_ffn(x, router, bias, lambda e: self.expert(layer, e), shared, forced_ids=forced_ids,
+                            mlp=self.mlp, **route_options)
         return y, ids
+
+    def attn_res(self, prefix: str, blocks: list[np.ndarray], partial: np.ndarray) -> np.ndarray:
+        """AttnRes mix at one site (prefix like 'model.layers.3.mlp_res') of the stored blocks and
+        the partial sum, each [T, hidden] -> [T, hidden]; just the partial sum while no block exists."""
+        if not blocks:
+            return partial
+        mixed, _ = depth_attention([*blocks, partial], self.tensor(prefix + "_norm.weight"),
+                                   self.tensor(prefix + "_proj.weight"), self.config.rms_norm_eps)
+        return mixed
 
     def forward(self, ids: Sequence[int], forced_routing: dict[int, np.ndarray] | None = None) -> ReferenceOutput:
         """Token ids [T] -> logits [T, vocab] float64 and every layer's hidden state.
 
         `forced_routing` {MoE layer: ids [T, k]} makes those layers apply the given experts
         (e.g. the engine's) while `routing` still reports the oracle's own choice.
+
+        With AttnRes (K3, `attn_res_block_size` = S) h is the partial sum of the current block:
+        each norm reads the mix of the stored blocks and h at its site; before the attention of
+        a layer l with l % S == 0, after its mix, h is stored as a block and restarts from 0;
+        after the last layer the output site's mix is what the final norm reads.
         """
         cfg = self.config
         a = np.asarray(ids, np.int64).reshape(-1)
@@ -172,15 +193,24 @@ class ReferenceModel:
         hidden = [h]
         routing = {}
         eps = cfg.rms_norm_eps
+        block_size = cfg.attn_res_block_size
+        blocks: list[np.ndarray] = []  # AttnRes block summaries b_0, b_1, ... (none without AttnRes)
         for layer, kind in enumerate(cfg.layer_kinds):
             p = f"model.layers.{layer}."
-            x = rms_norm(h, self.tensor(p + "input_layernorm.weight"), eps)
+            attn_in = self.attn_res(p + "self_attention_res", blocks, h) if block_size else h
+            if block_size and layer % block_size == 0:
+                blocks.append(h)
+                h = np.zeros_like(h)
+            x = rms_norm(attn_in, self.tensor(p + "input_layernorm.weight"), eps)
             h = h + (self.mla(layer, x) if kind == "mla" else self.kda(layer, x))
-            x = rms_norm(h, self.tensor(p + "post_attention_layernorm.weight"), eps)
+            ffn_in = self.attn_res(p + "mlp_res", blocks, h) if block_size else h
+            x = rms_norm(ffn_in, self.tensor(p + "post_attention_layernorm.weight"), eps)
             y, routed = self.ffn(layer, x, None if forced_routing is None else forced_routing.get(layer))
             if routed is not None:
                 routing[layer] = routed
             h = h + y
             hidden.append(h)
+        if block_size:
+            h = self.attn_res("model.output_attn_res", blocks, h)
         logits = self._lm_head(rms_norm(h, self.tensor("model.norm.weight"), eps))
         return ReferenceOutput(logits, hidden, routing)
