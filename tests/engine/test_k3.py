@@ -24,7 +24,9 @@ from waste.engine.runner import generate
 from waste.engine.sampling import Sampler
 from waste.engine.trace import load
 from waste.kernels.quant import quantize
-from waste.reference.k3 import depth_attention, latent_moe_ffn, mlp_for
+from waste.reference.k3 import attn_res_mix
+from waste.reference.latent_moe import latent_moe_ffn
+from waste.reference.model import gated_mlp
 from waste.testing import tiny_config, tiny_container
 
 VARIANTS = {
@@ -194,7 +196,7 @@ def test_attn_res_blocks_with_a_partial_last_block():
     assert [(layer, site) for layer, site, _, _ in rec.calls] == [(layer, site) for layer, site, _ in expected]
     for (layer, site, got_w, got_mix), (_, _, cands) in zip(rec.calls, expected, strict=True):
         w_eff = vec[10] if site == "output" else (vec[layer] if site == "attn" else vec[5 + layer])
-        want_mix, want_w = depth_attention(cands, w_eff, np.ones((1, D)), cfg.rms_norm_eps)
+        want_mix, want_w = attn_res_mix(cands[:-1], cands[-1], w_eff, cfg.rms_norm_eps)
         assert got_w.shape == (T, len(cands)) and got_w.dtype == np.float32
         np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-6, err_msg=f"{site} {layer}")
         np.testing.assert_allclose(got_mix, want_mix, rtol=0, atol=1e-5 * np.abs(want_mix).max(),
@@ -256,7 +258,7 @@ def test_latent_moe_matches_the_oracle(use_norm):
     options = dict(top_k=cfg.num_experts_per_token, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                    renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor)
     want, ids = latent_moe_ffn(x, router, bias, lambda e: f64(experts[e]), f64(shared), down.astype(np.float64),
-                               up.astype(np.float64), norm, mlp=mlp_for(cfg), eps=cfg.rms_norm_eps,
+                               up.astype(np.float64), norm, mlp=gated_mlp(cfg), eps=cfg.rms_norm_eps,
                                route_options=options)
     np.testing.assert_array_equal(info.ids, ids)
     assert y.shape == (7, D) and y.dtype == np.float32

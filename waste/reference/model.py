@@ -28,14 +28,22 @@ from typing import Any
 import numpy as np
 
 from waste.errors import WasteError
-from waste.reference.k3 import depth_attention, latent_moe_ffn, mlp_for
+from waste.reference.k3 import attn_res_mix, situ_mlp
 from waste.reference.kda import naive_kda_layer
+from waste.reference.latent_moe import MLP, latent_moe_ffn
 from waste.reference.mla import naive_mla_layer, rms_norm
-from waste.reference.moe import moe_ffn
+from waste.reference.moe import moe_ffn, swiglu
 from waste.reference.quant import reference_dequantize
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
 LM_HEAD_BLOCK = 2048  # vocabulary rows decoded to float64 at a time (bounds the temporaries)
+
+
+def gated_mlp(cfg: Any) -> MLP:
+    """The float64 gated MLP of the config's hidden_act: SwiGLU ("silu") or SiTU ("situ")."""
+    if cfg.hidden_act == "silu":
+        return swiglu
+    return lambda x, gate, up, down: situ_mlp(x, gate, up, down, cfg.situ_beta, cfg.situ_linear_beta)
 
 
 @dataclass
@@ -58,7 +66,7 @@ class ReferenceModel:
         cfg = container.config
         self.container = container
         self.config = cfg
-        self.mlp = mlp_for(cfg)  # SwiGLU or SiTU: dense, shared and routed experts alike
+        self.mlp = gated_mlp(cfg)  # SwiGLU or SiTU: dense, shared and routed experts alike
         self.router_weights = router_weights
         # Dequantised float64 weights are kept while they fit this budget, so repeated forwards
         # on a tiny model do not dequantise again; past it they are rebuilt on every use.
@@ -167,8 +175,8 @@ class ReferenceModel:
         the partial sum, each [T, hidden] -> [T, hidden]; just the partial sum while no block exists."""
         if not blocks:
             return partial
-        mixed, _ = depth_attention([*blocks, partial], self.tensor(prefix + "_norm.weight"),
-                                   self.tensor(prefix + "_proj.weight"), self.config.rms_norm_eps)
+        w_eff = self.tensor(prefix + "_norm.weight") * self.tensor(prefix + "_proj.weight").reshape(-1)
+        mixed, _ = attn_res_mix(blocks, partial, w_eff, self.config.rms_norm_eps)
         return mixed
 
     def forward(self, ids: Sequence[int], forced_routing: dict[int, np.ndarray] | None = None) -> ReferenceOutput:
