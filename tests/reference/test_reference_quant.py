@@ -74,3 +74,20 @@ def test_rows_are_the_embedding_lookup() -> None:
     np.testing.assert_array_equal(reference_dequantize(m, rows=ids), full[ids])
     with pytest.raises(ValueError, match="row ids"):
         reference_dequantize(m, rows=np.array([40]))
+
+
+def test_reference_dequantize_reads_mxfp4_buffers():
+    """FACTS.md's byte example: [0.5, -1.5, 3, -6] at scale byte 127 are bytes b1 f5; scale byte
+    128 doubles a row. Rows can be taken alone, as for the other formats."""
+    from types import SimpleNamespace
+
+    packed = np.zeros((2, 16), np.uint8)
+    packed[:, :2] = [0xB1, 0xF5]
+    scales = np.array([[127], [128]], np.uint8)
+    qm = SimpleNamespace(fmt="mxfp4", shape=(2, 32), buffers={"packed": packed, "scales": scales})
+    w = reference_dequantize(qm)
+    assert w.dtype == np.float64 and w.shape == (2, 32)
+    np.testing.assert_array_equal(w[0, :4], [0.5, -1.5, 3.0, -6.0])
+    np.testing.assert_array_equal(w[1, :4], [1.0, -3.0, 6.0, -12.0])
+    assert not w[:, 4:].any()
+    np.testing.assert_array_equal(reference_dequantize(qm, rows=np.array([1])), w[1:])

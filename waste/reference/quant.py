@@ -74,6 +74,11 @@ def reference_dequantize(qm, rows: np.ndarray | None = None) -> np.ndarray:
         # bfloat16 is the top half of a float32: shift the 16 stored bits up and reinterpret.
         bits = np.asarray(qm.buffers["w"])[ids].astype(np.uint32) << 16
         return bits.view(np.float32).astype(np.float64)
+    if qm.fmt == "mxfp4":
+        # Imported here: waste.reference.mxfp4 imports this module's activation rounding.
+        from waste.reference.mxfp4 import reference_dequantize_mxfp4
+
+        return reference_dequantize_mxfp4(np.asarray(qm.buffers["packed"])[ids], np.asarray(qm.buffers["scales"])[ids])
     if qm.fmt not in QMAX:
         raise WasteError(f"the float64 reference has no dequantiser for weight format {qm.fmt!r}")
     codes, scales = _codes_and_scales(qm, ids)
