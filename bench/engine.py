@@ -1,8 +1,9 @@
-"""The whole engine on the `mini` preset (issue #6): prefill and decode tokens per second in
-`q8` and `q4`, time per layer kind, weight bytes read per decoded token, and those bytes over
-the decode time against the machine's copy bandwidth measured in the same run.
+"""The whole engine on the `mini` preset (issue #6; `--preset k3-mini` for K3): prefill and decode
+tokens per second in `q8` and `q4`, time per layer kind, weight bytes read per decoded token, and
+those bytes over the decode time against the machine's copy bandwidth measured in the same run.
+A K3 preset's routed experts stay MXFP4 (as its checkpoint ships them) whatever the trunk scheme.
 
-The `mini` checkpoint is synthesised once into bench/.cache/ and converted to each scheme
+The preset's checkpoint is synthesised once into bench/.cache/ and converted to each scheme
 (reused on later runs). Per scheme: a warm-up (compiles kernels, faults the weights in), then
 `--rounds` rounds of [fresh session, prefill `--prompt-len` tokens in `--prefill-chunk` chunks,
 decode `--new` tokens greedily]; the best round of each phase is reported (the machine is
@@ -18,7 +19,7 @@ experts per MoE layer (their data bytes, without the blob padding). Recurrent st
 MLA cache are counted apart (`state_bytes_per_token`). Prints tables, writes
 bench/results/engine.json. Asserts nothing.
 
-    python bench/engine.py [--prompt-len 256] [--new 32] [--prefill-chunk 32] [--rounds 3] [--quick]
+    python bench/engine.py [--preset mini] [--prompt-len 256] [--new 32] [--prefill-chunk 32] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from waste.analysis.budget import copy_bandwidth
 from waste.container import open_container
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, LayerTimes, Model
 
-KINDS = ("embed", "kda", "mla", "dense", "moe", "lm_head")
+KINDS = ("embed", "kda", "mla", "dense", "moe", "attn_res", "lm_head")
 
 
 def weight_bytes_per_token(model: Model) -> dict[str, int]:
@@ -51,6 +52,9 @@ def weight_bytes_per_token(model: Model) -> dict[str, int]:
             continue
         if name in ("lm_head.weight", "model.norm.weight"):
             out["lm_head"] += e.data_bytes
+            continue
+        if "_res_" in name:  # AttnRes vectors (K3), per layer and at the output
+            out["attn_res"] += e.data_bytes
             continue
         parts = name.split(".")
         layer, where = int(parts[2]), parts[3]
@@ -99,7 +103,7 @@ def run_round(model: Model, prompt: np.ndarray, new: int, chunk: int) -> dict[st
 def bench_scheme(quant: str, threads: int, args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up and timed rounds of one scheme with Numba's parallel loops on `threads` threads."""
     numba.set_num_threads(threads)
-    path = common.mini_container(quant, args.cache_dir)
+    path = common.mini_container(quant, args.cache_dir, preset=args.preset)
     rng = np.random.default_rng(0)
     with open_container(path) as c:
         model = Model(c)
@@ -168,6 +172,7 @@ def print_scheme(r: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="mini", choices=["mini", "k3-mini"])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new", type=int, default=32, help="tokens to decode")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
@@ -177,8 +182,11 @@ def main() -> int:
                         help="Numba thread counts to run each scheme with (default: all)")
     parser.add_argument("--quick", action="store_true", help="64-token prompt, 8 new tokens, one round")
     parser.add_argument("--cache-dir", type=Path, default=common.CACHE_DIR)
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "engine.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/engine.json "
+                        "(engine-k3-mini.json for k3-mini)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = common.RESULTS_DIR / ("engine.json" if args.preset == "mini" else f"engine-{args.preset}.json")
     if args.quick:
         args.prompt_len, args.new, args.rounds = 64, 8, 1
     if args.prompt_len < 1 or args.new < 1 or args.rounds < 1:
@@ -191,7 +199,7 @@ def main() -> int:
     copy_start = copy_bandwidth()
     print(f"copy bandwidth {copy_start['gbps']:.1f} GB/s (bytes read + written, "
           f"{copy_start['buffer_bytes'] >> 20} MiB buffer)")
-    print(f"mini: prompt {args.prompt_len} tokens in chunks of {args.prefill_chunk}, {args.new} decoded, "
+    print(f"{args.preset}: prompt {args.prompt_len} tokens in chunks of {args.prefill_chunk}, {args.new} decoded, "
           f"best of {args.rounds} rounds")
     results = []
     for quant in args.schemes:
@@ -211,7 +219,7 @@ def main() -> int:
     print(common.format_table(["scheme", "threads", "prefill tok/s", "decode tok/s", "fastest step ms",
                                "weights MB/tok", "GB/s", "% copy bw"], summary, floats=".1f"))
     common.write_json(args.out, {
-        "benchmark": "engine", "preset": "mini", "machine": info, "load_average_at_end": list(os.getloadavg()),
+        "benchmark": "engine", "preset": args.preset, "machine": info, "load_average_at_end": list(os.getloadavg()),
         "settings": {"prompt_len": args.prompt_len, "new": args.new, "prefill_chunk": args.prefill_chunk,
                      "rounds": args.rounds, "threads": args.threads},
         "copy_bandwidth": {"start": copy_start, "end": copy_end, "gbps": copy_gbps},

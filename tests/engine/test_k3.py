@@ -201,6 +201,8 @@ def test_attn_res_blocks_with_a_partial_last_block():
         np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-6, err_msg=f"{site} {layer}")
         np.testing.assert_allclose(got_mix, want_mix, rtol=0, atol=1e-5 * np.abs(want_mix).max(),
                                    err_msg=f"{site} {layer}")
+    assert stream.blocks.shape == (3, T, D)
+    np.testing.assert_allclose(stream.blocks, [emb, b1, b2], rtol=1e-6, atol=1e-6)
     # hidden is the partial sum: the running sum inside each block, restarted at layers 2 and 4.
     for layer, want in enumerate([a[0] + f[0], b1, a[2] + f[2], b2, a[4] + f[4]]):
         np.testing.assert_allclose(hidden[layer], want, rtol=1e-6, atol=1e-6)

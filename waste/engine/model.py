@@ -68,7 +68,7 @@ class Observer(Protocol):
 class LayerTimes:
     """Wall time spent per layer kind, for benchmarks and `waste run`."""
 
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("kda", "mla", "dense", "moe",
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("kda", "mla", "dense", "moe", "attn_res",
                                                                              "lm_head", "embed"), 0.0))
     dedup: list[float] = field(default_factory=list)
 
@@ -153,13 +153,17 @@ class Model:
         stream = PlainResidual(h) if self.attn_res is None else AttnResResidual(self.attn_res, h)
         for i, kind in enumerate(cfg.layer_kinds):
             t0 = time.perf_counter()
-            x = rms_norm(stream.attn_input(i, positions, observer), self.input_norms[i], cfg.rms_norm_eps)
+            attn_in = stream.attn_input(i, positions, observer)
+            t0 = times.add("attn_res", t0)
+            x = rms_norm(attn_in, self.input_norms[i], cfg.rms_norm_eps)
             state = session.kda[i] if kind == "kda" else session.mla[i]
             a = self.attn[i].decode(x[0], state)[None, :] if decode else self.attn[i].prefill(x, state)
             stream.add(a)
             check_finite(a, f"layer {i} ({kind} attention)", positions)
             t0 = times.add(kind, t0)
-            x = rms_norm(stream.ffn_input(i, positions, observer), self.post_norms[i], cfg.rms_norm_eps)
+            ffn_in = stream.ffn_input(i, positions, observer)
+            t0 = times.add("attn_res", t0)
+            x = rms_norm(ffn_in, self.post_norms[i], cfg.rms_norm_eps)
             ffn = self.ffn[i]
             if isinstance(ffn, MoELayer):
                 f, routing = ffn.forward(x, self.store)
@@ -175,7 +179,10 @@ class Model:
             check_finite(f, f"layer {i} ({'MoE' if isinstance(ffn, MoELayer) else 'dense'} FFN)", positions)
             if observer is not None:
                 observer.on_layer(i, positions, stream.hidden)
-        return stream.output(positions, observer)
+        t0 = time.perf_counter()
+        h = stream.output(positions, observer)
+        times.add("attn_res", t0)
+        return h
 
     def _logits(self, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()

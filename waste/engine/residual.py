@@ -95,8 +95,17 @@ class AttnResResidual:
 
     def __init__(self, weights: AttnResWeights, embedding: np.ndarray):
         self.weights = weights
-        self.blocks: list[np.ndarray] = []  # [n] of [T, hidden] float32
+        # Blocks start at layers 0, S, 2S, ... < L: ceil(L / S) of them, stored in one stack so
+        # the mixing kernel reads its first n rows without copying a list.
+        count = -(-weights.num_layers // weights.block_size)
+        self._stack = np.empty((count, *embedding.shape), np.float32)  # [ceil(L / S), T, hidden]
+        self._stored = 0
         self.partial: np.ndarray | None = embedding  # [T, hidden] float32; None right after a block closes
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """The stored block summaries b_0 .. b_{n-1}: [n, T, hidden] float32."""
+        return self._stack[: self._stored]
 
     @property
     def hidden(self) -> np.ndarray:
@@ -108,7 +117,7 @@ class AttnResResidual:
     def _mix(self, w_eff: np.ndarray, layer: int, site: str, positions: np.ndarray, observer: Any) -> np.ndarray:
         p = self.hidden
         hook = getattr(observer, "on_attn_res", None)
-        if not self.blocks:
+        if not self._stored:
             # One candidate: its softmax weight is exactly 1, so the mix is p itself.
             if hook is not None:
                 hook(layer, site, positions, np.ones((p.shape[0], 1), np.float32), p)
@@ -121,7 +130,8 @@ class AttnResResidual:
     def attn_input(self, layer: int, positions: np.ndarray, observer: Any) -> np.ndarray:
         x = self._mix(self.weights.attn[layer], layer, "attn", positions, observer)
         if layer % self.weights.block_size == 0:
-            self.blocks.append(self.hidden)
+            self._stack[self._stored] = self.hidden
+            self._stored += 1
             self.partial = None
         return x
 
