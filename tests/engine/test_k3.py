@@ -179,7 +179,7 @@ def test_attn_res_blocks_with_a_partial_last_block():
         stream.add(attn_out[layer])
         stream.ffn_input(layer, pos, rec)
         stream.add(ffn_out[layer])
-        hidden.append(stream.hidden.copy())
+        hidden.append((stream.partial.copy(), stream.hidden.copy()))
     stream.output(pos, rec)
 
     a, f = attn_out, ffn_out
@@ -203,9 +203,13 @@ def test_attn_res_blocks_with_a_partial_last_block():
                                    err_msg=f"{site} {layer}")
     assert stream.blocks.shape == (3, T, D)
     np.testing.assert_allclose(stream.blocks, [emb, b1, b2], rtol=1e-6, atol=1e-6)
-    # hidden is the partial sum: the running sum inside each block, restarted at layers 2 and 4.
+    # The partial sum runs inside each block and restarts at layers 2 and 4; hidden is the plain
+    # residual sum, the embedding plus every output so far.
+    running = emb.astype(np.float64)
     for layer, want in enumerate([a[0] + f[0], b1, a[2] + f[2], b2, a[4] + f[4]]):
-        np.testing.assert_allclose(hidden[layer], want, rtol=1e-6, atol=1e-6)
+        running = running + a[layer] + f[layer]
+        np.testing.assert_allclose(hidden[layer][0], want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(hidden[layer][1], running, rtol=1e-5, atol=1e-5)
 
 
 def test_attn_res_weights_reach_the_observer_in_a_decode_step(containers):

@@ -54,7 +54,8 @@ def check_finite(x: np.ndarray, where: str, positions: np.ndarray) -> None:
 class Observer(Protocol):
     """Receives what happens inside a forward pass (per-layer outputs, routing).
 
-    `hidden` is the layer's output residual stream (for K3 the AttnRes partial sum). An observer
+    `hidden` is the layer's output residual stream (for K3 the plain sum of the AttnRes blocks and
+    the partial sum: the embedding plus every output so far). An observer
     may also define `on_attn_res(layer, site, positions, weights, mixed)` to see the AttnRes
     depth-attention weights of every mix (K3 only; documented in `waste.engine.residual`).
     """

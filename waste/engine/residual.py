@@ -17,7 +17,9 @@ candidates {b_0, .., b_n, p}, weighted by a softmax over the candidates c of
 while no block exists). Before the attention of a layer l with l % block_size == 0, after
 its mix, p is appended to the blocks and restarts from 0; so layer 0 stores the embedding
 as b_0, and when block_size does not divide the layer count the last block stays partial.
-`hidden` is p. No state crosses tokens: every token's blocks come from its own column, so a
+`hidden` (what observers and `waste check` see after each layer) is the plain residual sum,
+the stored blocks plus p: the embedding plus every output so far, as in Kimi-Linear, though
+no layer reads it. No state crosses tokens: every token's blocks come from its own column, so a
 prefill chunk or decode step starts a fresh stream and sessions hold nothing for it.
 
 Observers with an `on_attn_res(layer, site, positions, weights, mixed)` method see every
@@ -107,15 +109,18 @@ class AttnResResidual:
         """The stored block summaries b_0 .. b_{n-1}: [n, T, hidden] float32."""
         return self._stack[: self._stored]
 
-    @property
-    def hidden(self) -> np.ndarray:
-        """The partial sum p (the current block's outputs so far)."""
+    def _partial(self) -> np.ndarray:
         if self.partial is None:
             raise WasteError("AttnRes: no partial sum between a block start and the layer's attention")
         return self.partial
 
+    @property
+    def hidden(self) -> np.ndarray:
+        """The plain residual sum: the stored blocks plus p, i.e. the embedding plus every output so far."""
+        return self.blocks.sum(axis=0) + self._partial()
+
     def _mix(self, w_eff: np.ndarray, layer: int, site: str, positions: np.ndarray, observer: Any) -> np.ndarray:
-        p = self.hidden
+        p = self._partial()
         hook = getattr(observer, "on_attn_res", None)
         if not self._stored:
             # One candidate: its softmax weight is exactly 1, so the mix is p itself.
@@ -130,7 +135,7 @@ class AttnResResidual:
     def attn_input(self, layer: int, positions: np.ndarray, observer: Any) -> np.ndarray:
         x = self._mix(self.weights.attn[layer], layer, "attn", positions, observer)
         if layer % self.weights.block_size == 0:
-            self._stack[self._stored] = self.hidden
+            self._stack[self._stored] = self._partial()
             self._stored += 1
             self.partial = None
         return x

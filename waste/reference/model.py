@@ -49,7 +49,8 @@ def gated_mlp(cfg: Any) -> MLP:
 @dataclass
 class ReferenceOutput:
     """logits [T, vocab]; hidden_states: L + 1 arrays [T, hidden] (embedding, then each layer's output,
-    before the final norm; with AttnRes the partial sum of the layer's block); routing: MoE layer
+    before the final norm; with AttnRes the stored blocks plus the partial sum, i.e. still the
+    embedding plus every output so far); routing: MoE layer
     index -> expert ids [T, k] in rank order."""
 
     logits: np.ndarray
@@ -217,7 +218,7 @@ class ReferenceModel:
             if routed is not None:
                 routing[layer] = routed
             h = h + y
-            hidden.append(h)
+            hidden.append(sum(blocks, h))
         if block_size:
             h = self.attn_res("model.output_attn_res", blocks, h)
         logits = self._lm_head(rms_norm(h, self.tensor("model.norm.weight"), eps))
