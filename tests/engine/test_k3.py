@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from waste.cli import main
-from waste.config import load_preset, parse_config
+from waste.config import load_preset, parse_config, preset_dict
 from waste.container.reader import open_container
 from waste.engine.check import check_against_oracle
 from waste.engine.experts import MmapExpertStore, StreamingExpertStore
@@ -28,7 +28,7 @@ from waste.kernels.quant import quantize
 from waste.reference.k3 import attn_res_mix
 from waste.reference.latent_moe import latent_moe_ffn
 from waste.reference.model import gated_mlp
-from waste.testing import tiny_config, tiny_container
+from waste.testing import tiny_container
 
 VARIANTS = {
     # k3-tiny as shipped: AttnRes blocks of 2 over 5 layers (the last block holds one layer),
@@ -42,9 +42,10 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def containers(tmp_path_factory):
     root = tmp_path_factory.mktemp("k3")
-    out = {name: tiny_container(root / name, preset="k3-tiny", experts="f32", overrides=o)
+    out = {name: tiny_container(root / name, preset="k3-tiny", expert_format="f32", overrides={"text_config": o or {}})
            for name, o in VARIANTS.items()}
-    out["mxfp4"] = tiny_container(root / "mxfp4", preset="k3-tiny")
+    # MXFP4 experts in the checkpoint (with K3's quantization_config) stay MXFP4 in the container.
+    out["mxfp4"] = tiny_container(root / "mxfp4", preset="k3-tiny", expert_format="mxfp4")
     return out
 
 
@@ -245,7 +246,9 @@ class DictStore:
 
 @pytest.mark.parametrize("use_norm", [False, True], ids=["no-norm", "norm"])
 def test_latent_moe_matches_the_oracle(use_norm):
-    cfg = parse_config(tiny_config("k3-tiny", latent_moe_use_norm=use_norm, activation_situ_linear_beta=25.0))
+    hf = preset_dict("k3-tiny")
+    hf["text_config"].update(latent_moe_use_norm=use_norm, activation_situ_linear_beta=25.0)
+    cfg = parse_config(hf)
     rng = np.random.default_rng(6)
     E, D, R, I = cfg.num_experts, cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     S = I * cfg.num_shared_experts
