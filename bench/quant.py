@@ -16,9 +16,12 @@ arithmetic as whole-array operations; NumPy's elementwise operations run on one 
 all-cores row compares against the same single-threaded NumPy and says so), and whether the
 Numba bytes agree with the float64 oracle `reference_quantize`. Prints tables and writes
 bench/results/quant.json (with --quantize-only only the quantiser section, to
-bench/results/quant_quantize.json). Asserts nothing.
+bench/results/quant_quantize.json).
 
-    python bench/quant.py [--quick] [--rounds 30] [--quantize-only] [--out PATH]
+Then (alone with --k3-only, to bench/results/quant_k3.json) MXFP4 against f32 and Q4G on Kimi
+K3's routed-expert shapes, per byte: see measure_k3_experts. Asserts nothing.
+
+    python bench/quant.py [--quick] [--rounds 30] [--quantize-only | --k3-only] [--out PATH]
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import numpy as np
 from common import at_threads, best_seconds, cycle, machine_info, rotation, thread_counts, write_json
 
 from waste.kernels import quant as qk
-from waste.qformat import BLOCK_BYTES, GROUP, QMAX, ROWS, SCALE_EXPONENT
+from waste.kernels.int8_blocks import ISA
+from waste.qformat import BLOCK_BYTES, GROUP, QMAX, ROWS, SCALE_EXPONENT, bits_per_weight
 from waste.reference.quant import reference_quantize
 
 SHAPES = [  # (name, N, K)
@@ -117,7 +121,8 @@ def blas_info() -> dict[str, object]:
 
 def quant_machine_info() -> dict[str, object]:
     """The shared machine description plus what decides these kernels' speed."""
-    return {**machine_info(), "numba_threading_layer": _threading_layer(), "vnni_kernels": qk._VNNI}
+    return {**machine_info(), "numba_threading_layer": _threading_layer(), "vnni_kernels": ISA == "vnni",
+            "dot_isa": ISA}
 
 
 def _threading_layer() -> str:
@@ -283,12 +288,15 @@ def main() -> int:
     parser.add_argument("--quantize-only", action="store_true",
                         help="time only the weight quantiser (about a minute; default --out quant_quantize.json)")
     parser.add_argument("--quantize-rounds", type=int, default=10, help="rounds per quantiser timing (both sides)")
+    parser.add_argument("--k3-only", action="store_true",
+                        help="only MXFP4 / Q4G / f32 on K3's expert shapes (default --out quant_k3.json)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON results (default bench/results/quant.json or, with --quantize-only, "
                              "bench/results/quant_quantize.json)")
     args = parser.parse_args()
     results_dir = Path(__file__).parent / "results"
-    out = args.out or results_dir / ("quant_quantize.json" if args.quantize_only else "quant.json")
+    default_out = "quant_quantize.json" if args.quantize_only else "quant_k3.json" if args.k3_only else "quant.json"
+    out = args.out or results_dir / default_out
     shapes = [s for s in SHAPES if not (args.quick and s[0] == "lm_head")]
     info = quant_machine_info()
     print(f"{info['cpu']}, {info['cores']} cores, Numba {info['numba']} ({info['numba_threads']} threads), "
@@ -299,6 +307,12 @@ def main() -> int:
         print_quantize(quantize)
         report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": quant_machine_info(),
                   "load_average_at_end": os.getloadavg(), "quantize": quantize}
+        print(f"load average at end: {report['load_average_at_end']}")
+        write_json(out, report)
+        return 0
+    if args.k3_only:
+        report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
+                  "k3_experts": measure_k3_experts(args.rounds), "load_average_at_end": os.getloadavg()}
         print(f"load average at end: {report['load_average_at_end']}")
         write_json(out, report)
         return 0
@@ -313,10 +327,79 @@ def main() -> int:
               f"{'met' if t['met'] else 'MISSED'}")
     report["quantize"] = measure_quantize(args.quantize_rounds)
     print_quantize(report["quantize"])
+    report["k3_experts"] = measure_k3_experts(args.rounds)
     report["load_average_at_end"] = os.getloadavg()
     print(f"load average at end: {report['load_average_at_end']}")
     write_json(out, report)
     return 0
+
+
+# -- MXFP4 on Kimi K3's expert shapes ------------------------------------------------------------
+
+K3_EXPERT_SHAPES = [("k3_gate_up", 3072, 3584), ("k3_down", 3584, 3072)]  # w1/w3 [I, R], w2 [R, I]
+K3_FORMATS = ("f32", "q4g", "mxfp4")
+K3_MXFP4_SCALES = (118, 124)  # E8M0 bytes of the random MXFP4 matrices (2^-9 .. 2^-4, as trained experts)
+
+
+def _k3_matrix(fmt: str, n: int, k: int, rng: np.random.Generator) -> qk.QMatrix:
+    """A random matrix [n, k] in one format (MXFP4 from random stored bytes, like a checkpoint's)."""
+    if fmt == "mxfp4":
+        return qk.from_buffers("mxfp4", (n, k), {
+            "packed": rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
+            "scales": rng.integers(*K3_MXFP4_SCALES, (n, k // GROUP), dtype=np.uint8)})
+    return qk.quantize(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02), fmt)
+
+
+def measure_k3_experts(rounds: int) -> dict[str, object]:
+    """MXFP4 against f32 and Q4G on K3's routed-expert shapes: matvec and 32-token matmul.
+
+    Each format steps through distinct matrices together more than twice the last-level cache
+    (common.rotation), so every call streams its weights from memory, as an expert not used for
+    a while does. All formats run in the same rounds at the same thread count (one, then all;
+    common.at_threads). Reported per format: time, GB/s of stored weight bytes, speed against
+    f32 on the same shape, and GB/s against Q4G's (per byte; the target is >= 1).
+    """
+    rng = np.random.default_rng(3)
+    rows = []
+    print(f"{'shape':<11} {'N x K':>10} {'thr':>3} {'fmt':<5} {'mats':>4} | {'matvec ms':>9} {'GB/s':>6} "
+          f"{'x f32':>6} {'/q4g B':>6} | {'matmul32 ms':>11} {'GB/s':>6} {'x f32':>6} {'/q4g B':>6}")
+    for name, n, k in K3_EXPERT_SHAPES:
+        x = rng.standard_normal(k, dtype=np.float32)
+        X = rng.standard_normal((TOKENS, k), dtype=np.float32)
+        sets = {fmt: rotation(lambda i, fmt=fmt, n=n, k=k: _k3_matrix(fmt, n, k, rng),
+                              int(bits_per_weight(fmt, (n, k)) * n * k / 8)) for fmt in K3_FORMATS}
+        fns = {f"{fmt}/{op}": cycle([lambda m=m, op=op, a=a: getattr(m, op)(a) for m in mats])
+               for fmt, mats in sets.items() for op, a in (("matvec", x), ("matmul", X))}
+        for threads in thread_counts():
+            with at_threads(threads):
+                best = best_times(fns, rounds, burst_s=0.02)
+            row: dict[str, object] = {"name": name, "N": n, "K": k, "tokens": TOKENS, "threads": threads,
+                                      "formats": {}}
+            for fmt, mats in sets.items():
+                nbytes = mats[0].nbytes
+                r = {"bytes": nbytes, "bits_per_weight": 8 * nbytes / (n * k), "matrices": len(mats)}
+                for op in ("matvec", "matmul"):
+                    sec = best[f"{fmt}/{op}"]
+                    r.update({f"{op}_ms": sec * 1e3, f"{op}_gbs": nbytes / sec / 1e9,
+                              f"{op}_vs_f32": best[f"f32/{op}"] / sec})
+                row["formats"][fmt] = r
+            for fmt, r in row["formats"].items():
+                for op in ("matvec", "matmul"):
+                    r[f"{op}_gbs_vs_q4g"] = r[f"{op}_gbs"] / row["formats"]["q4g"][f"{op}_gbs"]
+                print(f"{name if fmt == 'f32' else '':<11} {f'{n}x{k}' if fmt == 'f32' else '':>10} {threads:>3} "
+                      f"{fmt:<5} {r['matrices']:>4} | {r['matvec_ms']:>9.3f} {r['matvec_gbs']:>6.1f} "
+                      f"{r['matvec_vs_f32']:>6.2f} {r['matvec_gbs_vs_q4g']:>6.2f} | {r['matmul_ms']:>11.3f} "
+                      f"{r['matmul_gbs']:>6.1f} {r['matmul_vs_f32']:>6.2f} {r['matmul_gbs_vs_q4g']:>6.2f}")
+            rows.append(row)
+        del sets, fns
+    targets = [{"shape": row["name"], "threads": row["threads"], "op": op,
+                "mxfp4_gbs_vs_q4g": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g"],
+                "met": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g"] >= 1.0}
+               for row in rows for op in ("matvec", "matmul")]
+    for t in targets:
+        print(f"target mxfp4 >= q4g GB/s, {t['op']} on {t['shape']}, {t['threads']} thread(s): "
+              f"{t['mxfp4_gbs_vs_q4g']:.2f} {'met' if t['met'] else 'MISSED'}")
+    return {"shapes": rows, "targets": targets}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""MoE router (sigmoid, bias-corrected grouped top-k) and the SwiGLU expert over QMatrix weights.
+"""MoE router (sigmoid, bias-corrected grouped top-k) and the SwiGLU and SiTU experts over QMatrix weights.
 
 Routing per token (FACTS.md, float32 throughout like transformers' KimiLinearTopkRouter):
 
@@ -16,10 +16,15 @@ which a dropped expert at 0 then outranks. Ties: among equal values the lowest i
 first (groups and experts alike); the float64 reference in `waste.reference.moe` uses the
 same rules.
 
+K3's SiTU (FACTS.md), in float32: act(g, u) = b tanh(g / b) sigmoid(g) * (bl tanh(u / bl)), where
+b = situ_beta (1 when null) and the second factor is plain u when situ_linear_beta is null.
+
 Shapes: logits [T, E]; ids, weights [T, k]; x [T, in]; expert weights gate/up [I, in], down [out, I].
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -98,6 +103,46 @@ def _silu_mul(gate, up, out):
             out[t, i] = g / (one + np.exp(-g)) * up[t, i]
 
 
+# linear_beta 0 stands for a null linear beta (plain u): situ_betas refuses 0 as a real value.
+@kernel
+def _situ(g, u, beta, linear_beta, out):
+    """out = SiTU(g, u) over flat float32 arrays [n]."""
+    one = np.float32(1.0)
+    b = np.float32(beta)
+    lb = np.float32(linear_beta)
+    for i in range(g.size):
+        x = g[i]
+        # exp(-x) overflows to inf for x < -88: the sigmoid is then 0 and so is the product.
+        a = b * np.tanh(x / b) / (one + np.exp(-x))
+        v = u[i]
+        if lb > 0:
+            v = lb * np.tanh(v / lb)
+        out[i] = a * v
+
+
+def situ_betas(beta: float | None, linear_beta: float | None) -> tuple[float, float]:
+    """The SiTU kernel's (beta, linear_beta): null beta is 1.0, null linear_beta is 0.0 (plain u)."""
+    b = 1.0 if beta is None else float(beta)
+    if not 0 < b < math.inf:
+        raise WasteError(f"SiTU beta must be a positive finite number or null, got {beta}")
+    if linear_beta is None:
+        return b, 0.0
+    if not 0 < float(linear_beta) < math.inf:
+        raise WasteError(f"SiTU linear_beta must be a positive finite number or null, got {linear_beta}")
+    return b, float(linear_beta)
+
+
+def situ(g: np.ndarray, u: np.ndarray, beta: float | None, linear_beta: float | None) -> np.ndarray:
+    """SiTU(g, u) elementwise, float32, for gate and up values g, u of one shape."""
+    g = np.ascontiguousarray(g, np.float32)
+    u = np.ascontiguousarray(u, np.float32)
+    if g.shape != u.shape:
+        raise WasteError(f"SiTU gate and up must have the same shape, got {g.shape} and {u.shape}")
+    out = np.empty_like(g)
+    _situ(g.reshape(-1), u.reshape(-1), *situ_betas(beta, linear_beta), out.reshape(-1))
+    return out
+
+
 def router_logits(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """x [T, hidden] @ weight [E, hidden]^T in float32 -> logits [T, E].
 
@@ -161,3 +206,11 @@ def swiglu(x: np.ndarray, w_gate: QMatrix, w_up: QMatrix, w_down: QMatrix) -> np
     h = np.empty_like(gate)
     _silu_mul(gate, up, h)
     return w_down.matmul(h)
+
+
+def situ_mlp(x: np.ndarray, w_gate: QMatrix, w_up: QMatrix, w_down: QMatrix, beta: float | None,
+             linear_beta: float | None) -> np.ndarray:
+    """down(SiTU(gate x, up x)): x [T, in] -> [T, out], each projection one matmul over the rows."""
+    x = np.ascontiguousarray(x, np.float32)
+    gate, up = matmul_pair(x, w_gate, w_up)
+    return w_down.matmul(situ(gate, up, beta, linear_beta))

@@ -11,10 +11,12 @@ Formats (byte layouts, bits per weight and the measurements behind them: docs/QU
   AVX512_BF16's vdpbf16ps (waste/kernels/bf16.py).
 - "q8g": int8 codes in [-127, 127], one float16 scale per group of 32 along K (8.5 bits).
 - "q4g": 4-bit codes 0..15 standing for (code - 8), one float16 scale per group (4.5 bits).
+- "mxfp4": OCP MXFP4 as compressed-tensors stores it, E2M1 nibbles and one E8M0 scale byte
+  per group of 32 (4.25 bits; K must be a multiple of 32): `waste.kernels.mxfp4`.
 
 The formats' constants and buffer layouts are in `waste.qformat` (no Numba, so the container
 and the planner read them without compiling kernels); the q8g / q4g quantiser is in
-`waste.kernels.quantize`.
+`waste.kernels.quantize`; the integer dot-product blocks in `waste.kernels.int8_blocks`.
 
 The q formats pad K to a multiple of 32 and N to a multiple of 16, and interleave 16 rows so
 that one group of one 16-row block is a run of 64-byte chunks, each holding 4 consecutive K
@@ -37,21 +39,17 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
+from waste.kernels import mxfp4
 from waste.kernels.bf16 import bf16_matmul
+from waste.kernels.int8_blocks import TOKEN_TILE, block_one, block_tile
 from waste.kernels.quantize import quantize_grouped
-from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout
+from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
 
-TOKEN_TILE = 4  # tokens that share one pass over a weight block in qmatmul
-CHUNK = 64  # bytes per vpdpbusd operand: 16 rows x 4 codes
-# Software prefetch distance in the code stream (a few groups ahead). Measured on the lm_head
-# (codes in DRAM) it helped q4g by 10-40% and was neutral in L3 (docs/QUANT.md).
-PREFETCH_BYTES = 2048
+# An mxfp4 product sums twice the E2M1 values: the per-matrix scale halves it.
+MXFP4_TSCALE = np.array([0.5], np.float32)
 
 
 @dataclass(frozen=True)
@@ -68,11 +66,21 @@ class QMatrix:
         if self.fmt in ("q8g", "q4g"):
             qs, scales, tscale = (np.ascontiguousarray(self.buffers[b]) for b in ("qs", "scales", "tscale"))
             scales = scales.view(np.uint16)
-            # qs[:0], scales[:0]: the empty second matrix of a single product
-            object.__setattr__(self, "_qargs", (qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
+        elif self.fmt == "mxfp4":
+            # The stored bytes stay as they are; the kernels read a copy in the 16-row interleave,
+            # made once here, as large as the stored bytes (waste.kernels.mxfp4).
+            nb, g = padded_shape(self.shape)
+            qs, scales = np.empty((nb, g, BLOCK_BYTES["mxfp4"]), np.uint8), np.empty((nb, g, ROWS), np.uint8)
+            mxfp4.repack_interleaved(self.buffers["packed"], self.buffers["scales"], qs, scales)
+            tscale = MXFP4_TSCALE
+        else:
+            return
+        # qs[:0], scales[:0]: the empty second matrix of a single product
+        object.__setattr__(self, "_qargs", (qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the stored buffers (mxfp4's repacked copy for the kernels is as large again)."""
         return sum(int(b.nbytes) for b in self.buffers.values())
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
@@ -122,6 +130,8 @@ class QMatrix:
             return np.ascontiguousarray(self.buffers["w"][ids])
         if self.fmt == "bf16":
             return _bf16_to_f32(self.buffers["w"][ids])
+        if self.fmt == "mxfp4":
+            return mxfp4.dequantize_mxfp4(self.buffers["packed"][ids], self.buffers["scales"][ids])
         b, r = ids // ROWS, ids % ROWS
         qs = self.buffers["qs"]
         nb, g = qs.shape[0], qs.shape[1]
@@ -141,7 +151,7 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     Equal to (a.matmul(X), b.matmul(X)) bit for bit; when both are q matrices of one format and
     shape it is one kernel call that quantises X once and runs both in one parallel region.
     """
-    if a.fmt != b.fmt or a.fmt not in ("q8g", "q4g") or a.shape != b.shape:
+    if a.fmt != b.fmt or a.fmt not in ("q8g", "q4g", "mxfp4") or a.shape != b.shape:
         return a.matmul(X), b.matmul(X)
     X = np.asarray(X)
     if X.ndim != 2 or X.shape[1] != a.shape[1]:
@@ -168,6 +178,9 @@ def quantize(w: np.ndarray, fmt: str) -> QMatrix:
     if fmt == "bf16":
         bits = np.ascontiguousarray(w.astype(ml_dtypes.bfloat16)).view(np.uint16)
         return QMatrix(fmt, shape, {"w": bits})
+    if fmt == "mxfp4":
+        packed, scales = mxfp4.quantize_mxfp4(w)
+        return QMatrix(fmt, shape, {"packed": packed, "scales": scales})
     if fmt not in ("q8g", "q4g"):
         raise WasteError(f"unknown weight format {fmt!r}; expected one of {', '.join(FORMATS)}")
     return QMatrix(fmt, shape, quantize_grouped(w, fmt))
@@ -263,137 +276,6 @@ def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
     return Y if padded == m.shape[0] else np.ascontiguousarray(Y[:, :m.shape[0]])
 
 
-# -- integer dot-product blocks (LLVM IR) --------------------------------------------------------
-# Numba's loop vectoriser leaves a per-group int8 dot scalar and multiplies across rows with
-# vpmulld/vpmaddwd at about 17 GMAC/s per core (docs/QUANT.md). These intrinsics emit one
-# 16-row block's whole group loop as vector IR: vpdpbusd where the host has AVX-512 VNNI,
-# otherwise a generic widen-multiply-add that any LLVM target lowers.
-
-_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-_VB = ir.VectorType(_I8, CHUNK)  # 16 rows x 4 codes
-_VI = ir.VectorType(_I32, ROWS)
-_VF = ir.VectorType(_F32, ROWS)
-
-
-def _host_has_vnni() -> bool:
-    """True when Numba compiles for this host and the host has AVX-512 VNNI."""
-    import llvmlite.binding as llvm
-    from numba.core import config
-
-    if config.CPU_NAME or config.CPU_FEATURES:
-        return False
-    return "+avx512vnni" in llvm.get_host_cpu_features().flatten().split(",")
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, vt: ir.VectorType) -> ir.Value:
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, vt.count),
-                                                                                 [0] * vt.count))
-
-
-def _dot4(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, x4: ir.Value, vnni: bool) -> ir.Value:
-    """acc[r] += sum_i u8(w[4r + i]) * s8(x4 byte i): acc <16 x i32>, w <64 x i8>, x4 i32."""
-    xb = _splat(builder, x4, _VI)
-    if vnni:
-        fnty = ir.FunctionType(_VI, [_VI, _VI, _VI])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
-        return builder.call(fn, [acc, builder.bitcast(w, _VI), xb])
-    wide = ir.VectorType(_I32, CHUNK)
-    p = builder.mul(builder.zext(w, wide), builder.sext(builder.bitcast(xb, _VB), wide))
-    for i in range(4):
-        lanes = ir.Constant(ir.VectorType(_I32, ROWS), [4 * r + i for r in range(ROWS)])
-        acc = builder.add(acc, builder.shuffle_vector(p, ir.Constant(wide, ir.Undefined), lanes))
-    return acc
-
-
-_FORMAT_OF_CODES = {types.int8: "q8g", types.uint8: "q4g"}
-
-
-def _make_block(tokens: int, vnni: bool):
-    """An intrinsic block(qs, scales, xq, xsum, xs, Y, tscale, b, t0) that writes
-    Y[t0:t0+tokens, 16b:16b+16] for row block b; arrays as in _q_product, C-contiguous. The
-    codes' dtype picks the format at compile time: int8 q8g, uint8 q4g."""
-
-    @intrinsic
-    def block(typingctx, qs, scales, xq, xsum, xs, Y, tscale, b, t0):
-        fmt = _FORMAT_OF_CODES.get(getattr(qs, "dtype", None))
-        if fmt is None:
-            return None
-        offset = CODE_OFFSET[fmt]
-        arrays = (qs, scales, xq, xsum, xs, Y)
-        dtypes = (qs.dtype, types.uint16, types.int8, types.int32, types.float32, types.float32)
-        if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d
-                   for a, d in zip(arrays, dtypes, strict=True)):
-            return None
-        sig = types.void(*arrays, types.float32, types.intp, types.intp)
-
-        def codegen(context, builder, signature, args):
-            qs_, sc_, xq_, xsum_, xs_, y_ = (context.make_array(ty)(context, builder, a)
-                                             for ty, a in zip(signature.args[:6], args[:6], strict=True))
-            tscale_, b_, t0_ = args[6:]
-            intp = b_.type
-
-            def c(v: int) -> ir.Constant:
-                return ir.Constant(intp, v)
-
-            def at(arr, index, vt):
-                return builder.bitcast(builder.gep(arr.data, [index]), vt.as_pointer())
-
-            G = cgutils.unpack_tuple(builder, qs_.shape)[1]
-            Kp = cgutils.unpack_tuple(builder, xq_.shape)[1]
-            Np = cgutils.unpack_tuple(builder, y_.shape)[1]
-            rows = [builder.add(t0_, c(t)) for t in range(tokens)]
-            faccs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(tokens)]
-            # llvm.prefetch(address, read, locality 3 = keep in all levels, data cache)
-            pf_type = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-            prefetch = cgutils.get_or_insert_function(builder.module, pf_type, "llvm.prefetch.p0")
-            pf_args = [ir.Constant(_I32, v) for v in (0, 3, 1)]
-            with cgutils.for_range(builder, G) as loop:
-                g = loop.index
-                bg = builder.add(builder.mul(b_, G), g)
-                wbase = builder.mul(bg, c(BLOCK_BYTES[fmt]))
-                xbase = [builder.add(builder.mul(r, Kp), builder.mul(g, c(GROUP))) for r in rows]
-                iacc = [ir.Constant(_VI, None) for _ in range(tokens)]
-                for ch in range(BLOCK_BYTES[fmt] // CHUNK):
-                    # A prefetch never faults (it does not change program behaviour), so running
-                    # past the end of qs is harmless.
-                    ahead = builder.gep(qs_.data, [builder.add(wbase, c(CHUNK * ch + PREFETCH_BYTES))])
-                    builder.call(prefetch, [builder.bitcast(ahead, _I8.as_pointer()), *pf_args])
-                    wv = builder.load(at(qs_, builder.add(wbase, c(CHUNK * ch)), _VB), align=1)
-                    if fmt == "q8g":
-                        # Flipping the sign bit reads int8 code q as the unsigned byte q + 128.
-                        parts = [(builder.xor(wv, ir.Constant(_VB, [0x80] * CHUNK)), 4 * ch)]
-                    else:
-                        parts = [(builder.and_(wv, ir.Constant(_VB, [15] * CHUNK)), 4 * ch),
-                                 (builder.lshr(wv, ir.Constant(_VB, [4] * CHUNK)), GROUP // 2 + 4 * ch)]
-                    for t in range(tokens):
-                        for wpart, k in parts:
-                            x4 = builder.load(at(xq_, builder.add(xbase[t], c(k)), _I32), align=1)
-                            iacc[t] = _dot4(builder, iacc[t], wpart, x4, vnni)
-                half = ir.VectorType(ir.HalfType(), ROWS)
-                s16 = builder.load(at(sc_, builder.mul(bg, c(ROWS)), ir.VectorType(_I16, ROWS)), align=2)
-                scale = builder.fpext(builder.bitcast(s16, half), _VF)
-                for t in range(tokens):
-                    tg = builder.add(builder.mul(rows[t], G), g)
-                    corr = builder.mul(builder.load(builder.gep(xsum_.data, [tg])), ir.Constant(_I32, offset))
-                    dots = builder.sitofp(builder.sub(iacc[t], _splat(builder, corr, _VI)), _VF)
-                    xsc = _splat(builder, builder.load(builder.gep(xs_.data, [tg])), _VF)
-                    term = builder.fmul(builder.fmul(dots, scale), xsc)
-                    builder.store(builder.fadd(builder.load(faccs[t]), term), faccs[t])
-            tsv = _splat(builder, tscale_, _VF)
-            for t in range(tokens):
-                out = at(y_, builder.add(builder.mul(rows[t], Np), builder.mul(b_, c(ROWS))), _VF)
-                builder.store(builder.fmul(builder.load(faccs[t]), tsv), out, align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return block
-
-
-_VNNI = _host_has_vnni()
-_block_tile = _make_block(TOKEN_TILE, _VNNI)
-_block_one = _make_block(1, _VNNI)
 
 
 # Entering Numba's thread pool costs microseconds, more than quantising a few tokens or
@@ -409,19 +291,19 @@ def _rows(qs, scales, xq, xsum, xs, Y, ts, b):
     T = Y.shape[0]
     t = 0
     while t + TOKEN_TILE <= T:
-        _block_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        block_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
         t += TOKEN_TILE
     while t < T:
-        _block_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        block_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
         t += 1
 
 
 @parallel_kernel
 def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
-    """Ya [T, 16NA] = X A^T and Yb [T, 16NB] = X B^T for q8g (int8 codes q [NB, G, 512]) or q4g
-    (uint8 codes q [NB, G, 256]) matrices A, B with the same G (B may have no row blocks);
-    scales [NB, G, 16] (float16 bits), tscale [1]. The activations are quantised once, then
-    the row blocks of both run in parallel."""
+    """Ya [T, 16NA] = X A^T and Yb [T, 16NB] = X B^T for q8g (int8 codes q [NB, G, 512]), q4g
+    or repacked mxfp4 (uint8 codes q [NB, G, 256]) matrices A, B of one format with the same G
+    (B may have no row blocks); scales [NB, G, 16] (float16 bits; mxfp4: E8M0 bytes), tscale [1].
+    The activations are quantised once, then the row blocks of both run in parallel."""
     T = X.shape[0]
     G = qa.shape[1]
     xq = np.empty((T, G * GROUP), np.int8)

@@ -4,13 +4,14 @@ They read a QMatrix's buffers by the byte-layout formulas of docs/QUANT.md, elem
 element index arithmetic rather than the fast code's reshapes, and never call the kernels.
 
 - `reference_dequantize(qm, rows=None)`: the weights [N, K] (or only the given rows, the
-  embedding lookup) in float64 (exact: code * scale * tscale), for f32, bf16, q8g and q4g.
+  embedding lookup) in float64 (exact: code * scale * tscale), for f32, bf16, q8g and q4g;
+  mxfp4 from its E2M1 and E8M0 definitions (waste.reference.mxfp4).
 - `reference_quantize_activation(X)`: int8 codes [T, G, 32] and scales [T, G] per group of
   32; the codes are defined by IEEE float32 arithmetic (scale amax / 127, inverse 127 / amax,
   round half to even), reproduced here with NumPy float32 scalars so they match exactly.
 - `reference_matmul(qm, X)` / `reference_matvec(qm, x)`: the product in float64 from those
-  integers (q formats), from the float32 weights and activations (f32), or from the bfloat16
-  weights and the activations rounded to bfloat16 (bf16, `reference_round_to_bf16`).
+  integers (q formats and mxfp4), from the float32 weights and activations (f32), or from the
+  bfloat16 weights and the activations rounded to bfloat16 (bf16, `reference_round_to_bf16`).
 - `reference_quantize(w, fmt)`: the q8g/q4g buffers (qs, scales, tscale) of a weight matrix in
   NumPy float64 whole-array operations (the first implementation, kept as the oracle; it lays the
   bytes out by reshapes, which `reference_dequantize`'s formulas check). The Numba quantiser
@@ -25,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from waste.errors import WasteError
+from waste.reference.mxfp4 import reference_dequantize_mxfp4
 
 GROUP = 32
 ROWS = 16
@@ -75,9 +77,6 @@ def reference_dequantize(qm, rows: np.ndarray | None = None) -> np.ndarray:
         bits = np.asarray(qm.buffers["w"])[ids].astype(np.uint32) << 16
         return bits.view(np.float32).astype(np.float64)
     if qm.fmt == "mxfp4":
-        # Imported here: waste.reference.mxfp4 imports this module's activation rounding.
-        from waste.reference.mxfp4 import reference_dequantize_mxfp4
-
         return reference_dequantize_mxfp4(np.asarray(qm.buffers["packed"])[ids], np.asarray(qm.buffers["scales"])[ids])
     if qm.fmt not in QMAX:
         raise WasteError(f"the float64 reference has no dequantiser for weight format {qm.fmt!r}")
@@ -126,6 +125,13 @@ def reference_matmul(qm, X: np.ndarray) -> np.ndarray:
         return X.astype(np.float64) @ reference_dequantize(qm).T
     if qm.fmt == "bf16":
         return reference_round_to_bf16(X) @ reference_dequantize(qm).T
+    if qm.fmt == "mxfp4":
+        # An E2M1 value times a power of two, times an int8 code, summed over a group: exact.
+        n, k = qm.shape
+        w = reference_dequantize(qm).reshape(n, k // GROUP, GROUP)
+        xcodes, xscales = reference_quantize_activation(X)
+        dots = np.einsum("tgj,ngj->tng", xcodes.astype(np.float64), w)  # exact group sums
+        return np.einsum("tng,tg->tn", dots, xscales)
     wcodes, wscales = _codes_and_scales(qm)  # [N, G, 32], [N, G]
     xcodes, xscales = reference_quantize_activation(X)  # [T, G, 32], [T, G]
     dots = np.einsum("ngj,tgj->tng", wcodes, xcodes)  # exact integers

@@ -1,0 +1,229 @@
+"""The integer dot-product blocks under the q-format products of `waste.kernels.quant`.
+
+Numba's loop vectoriser leaves a per-group int8 dot scalar and multiplies across rows with
+vpmulld/vpmaddwd at about 17 GMAC/s per core (docs/QUANT.md). These intrinsics emit one
+16-row block's whole group loop as LLVM vector IR, in one of three lowerings (ISAS) chosen
+for the host at import:
+- "vnni": vpdpbusd where the host has AVX-512 VNNI (and vpshufb on 512 bits);
+- "avx2": vpmaddubsw + vpmaddwd (and vpshufb on 256 bits); vpmaddubsw sums two products in
+  int16, exact only for codes that keep that sum small (q4g, mxfp4: SMALL_CODES), so q8g keeps
+  the generic dot on such hosts;
+- "generic": widen, multiply, add lanes in fours (and a compare-select table lookup), which
+  every LLVM target lowers.
+All three give the same integers, hence the same bits (tests/kernels/test_quant.py).
+
+Layout: 16 rows are interleaved so that one group of one row block is a run of 64-byte
+chunks, each holding 4 consecutive K codes of each of the 16 rows (the operand of vpdpbusd:
+64 unsigned bytes times 4 broadcast signed bytes, summed into 16 int32 lanes).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from waste.kernels import mxfp4
+from waste.qformat import BLOCK_BYTES, CODE_OFFSET, GROUP, ROWS
+
+TOKEN_TILE = 4  # tokens that share one pass over a weight block in qmatmul
+CHUNK = 64  # bytes per vpdpbusd operand: 16 rows x 4 codes
+# Software prefetch distance in the code stream (a few groups ahead). Measured on the lm_head
+# (codes in DRAM) it helped q4g by 10-40% and was neutral in L3 (docs/QUANT.md).
+PREFETCH_BYTES = 2048
+
+
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_VB = ir.VectorType(_I8, CHUNK)  # 16 rows x 4 codes
+_VI = ir.VectorType(_I32, ROWS)
+_VF = ir.VectorType(_F32, ROWS)
+
+
+ISAS = ("vnni", "avx2", "generic")
+SMALL_CODES = ("q4g", "mxfp4")  # codes <= 24: two products of 127 times a code fit an int16
+# The unsigned code of each mxfp4 nibble: twice its E2M1 value plus the offset.
+_MXFP4_LUT = [int(v) + CODE_OFFSET["mxfp4"] for v in mxfp4.E2M1_TWICE]
+
+
+def _host_isa() -> str:
+    """The best of ISAS that Numba compiles for on this host ("generic" if it targets another CPU)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_NAME or config.CPU_FEATURES:
+        return "generic"
+    features = set(llvm.get_host_cpu_features().flatten().split(","))
+    if {"+avx512vnni", "+avx512bw"} <= features:
+        return "vnni"
+    return "avx2" if "+avx2" in features else "generic"
+
+
+def _x86(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: ir.Value) -> ir.Value:
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), list(args))
+
+
+def _halves(builder: ir.IRBuilder, v: ir.Value) -> list[ir.Value]:
+    """The two 32-lane halves of a 64-lane vector."""
+    return [builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                                   ir.Constant(ir.VectorType(_I32, 32), list(range(h, h + 32)))) for h in (0, 32)]
+
+
+def _join(builder: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    n = lo.type.count
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+
+
+def _lookup(builder: ir.IRBuilder, nibbles: ir.Value, table: list[int], isa: str) -> ir.Value:
+    """table[n] for each byte n < 16 of a <64 x i8>: vpshufb, or compare-selects (generic)."""
+    if isa == "vnni":
+        return _x86(builder, "llvm.x86.avx512.pshuf.b.512", _VB, ir.Constant(_VB, table * 4), nibbles)
+    if isa == "avx2":
+        half = ir.VectorType(_I8, 32)
+        lut = ir.Constant(half, table * 2)
+        looked = [_x86(builder, "llvm.x86.avx2.pshuf.b", half, lut, h) for h in _halves(builder, nibbles)]
+        return _join(builder, *looked)
+    out = ir.Constant(_VB, [table[0]] * CHUNK)
+    for n in range(1, 16):
+        hit = builder.icmp_unsigned("==", nibbles, ir.Constant(_VB, [n] * CHUNK))
+        out = builder.select(hit, ir.Constant(_VB, [table[n]] * CHUNK), out)
+    return out
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vt: ir.VectorType) -> ir.Value:
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, vt.count),
+                                                                                 [0] * vt.count))
+
+
+def _dot4(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, x4: ir.Value, isa: str) -> ir.Value:
+    """acc[r] += sum_i u8(w[4r + i]) * s8(x4 byte i): acc <16 x i32>, w <64 x i8>, x4 i32
+    (isa "avx2": codes small enough that two products fit an int16, SMALL_CODES)."""
+    xb = _splat(builder, x4, _VI)
+    if isa == "vnni":
+        return _x86(builder, "llvm.x86.avx512.vpdpbusd.512", _VI, acc, builder.bitcast(w, _VI), xb)
+    if isa == "avx2":
+        # vpmaddubsw sums byte pairs into int16 lanes, vpmaddwd pairs of those into int32: one
+        # row's 4 products per lane, rows 0-7 from the first 32 bytes and 8-15 from the rest.
+        x32 = _halves(builder, builder.bitcast(xb, _VB))[0]
+        ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
+        sums = [_x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8),
+                     _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), h, x32), ones)
+                for h in _halves(builder, w)]
+        return builder.add(acc, _join(builder, *sums))
+    wide = ir.VectorType(_I32, CHUNK)
+    p = builder.mul(builder.zext(w, wide), builder.sext(builder.bitcast(xb, _VB), wide))
+    for i in range(4):
+        lanes = ir.Constant(ir.VectorType(_I32, ROWS), [4 * r + i for r in range(ROWS)])
+        acc = builder.add(acc, builder.shuffle_vector(p, ir.Constant(wide, ir.Undefined), lanes))
+    return acc
+
+
+# (codes, scales) dtypes -> format: float16 scales as uint16 bits, mxfp4's E8M0 bytes as uint8
+_FORMAT_OF_DTYPES = {(types.int8, types.uint16): "q8g", (types.uint8, types.uint16): "q4g",
+                     (types.uint8, types.uint8): "mxfp4"}
+
+
+def _e8m0_to_f32(builder: ir.IRBuilder, s8: ir.Value) -> ir.Value:
+    """E8M0 bytes <16 x i8> -> 2^(s - 127) <16 x float>: the byte is the float32 exponent field,
+    except 0 (2^-127, a subnormal) and 255 (NaN)."""
+    s32 = builder.zext(s8, _VI)
+    bits = builder.shl(s32, ir.Constant(_VI, [23] * ROWS))
+    for byte, value in ((0, 1 << 22), (255, 0x7FC00000)):
+        hit = builder.icmp_unsigned("==", s32, ir.Constant(_VI, [byte] * ROWS))
+        bits = builder.select(hit, ir.Constant(_VI, [value] * ROWS), bits)
+    return builder.bitcast(bits, _VF)
+
+
+def _make_block(tokens: int, isa: str):
+    """An intrinsic block(qs, scales, xq, xsum, xs, Y, tscale, b, t0) that writes
+    Y[t0:t0+tokens, 16b:16b+16] for row block b; arrays as in _q_product, C-contiguous. The
+    codes' and scales' dtypes pick the format at compile time (_FORMAT_OF_DTYPES)."""
+
+    @intrinsic
+    def block(typingctx, qs, scales, xq, xsum, xs, Y, tscale, b, t0):
+        fmt = _FORMAT_OF_DTYPES.get((getattr(qs, "dtype", None), getattr(scales, "dtype", None)))
+        if fmt is None:
+            return None
+        offset = CODE_OFFSET[fmt]
+        dot_isa = isa if isa != "avx2" or fmt in SMALL_CODES else "generic"
+        arrays = (qs, scales, xq, xsum, xs, Y)
+        dtypes = (qs.dtype, scales.dtype, types.int8, types.int32, types.float32, types.float32)
+        if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d
+                   for a, d in zip(arrays, dtypes, strict=True)):
+            return None
+        sig = types.void(*arrays, types.float32, types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            qs_, sc_, xq_, xsum_, xs_, y_ = (context.make_array(ty)(context, builder, a)
+                                             for ty, a in zip(signature.args[:6], args[:6], strict=True))
+            tscale_, b_, t0_ = args[6:]
+            intp = b_.type
+
+            def c(v: int) -> ir.Constant:
+                return ir.Constant(intp, v)
+
+            def at(arr, index, vt):
+                return builder.bitcast(builder.gep(arr.data, [index]), vt.as_pointer())
+
+            G = cgutils.unpack_tuple(builder, qs_.shape)[1]
+            Kp = cgutils.unpack_tuple(builder, xq_.shape)[1]
+            Np = cgutils.unpack_tuple(builder, y_.shape)[1]
+            rows = [builder.add(t0_, c(t)) for t in range(tokens)]
+            faccs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(tokens)]
+            # llvm.prefetch(address, read, locality 3 = keep in all levels, data cache)
+            pf_type = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+            prefetch = cgutils.get_or_insert_function(builder.module, pf_type, "llvm.prefetch.p0")
+            pf_args = [ir.Constant(_I32, v) for v in (0, 3, 1)]
+            with cgutils.for_range(builder, G) as loop:
+                g = loop.index
+                bg = builder.add(builder.mul(b_, G), g)
+                wbase = builder.mul(bg, c(BLOCK_BYTES[fmt]))
+                xbase = [builder.add(builder.mul(r, Kp), builder.mul(g, c(GROUP))) for r in rows]
+                iacc = [ir.Constant(_VI, None) for _ in range(tokens)]
+                for ch in range(BLOCK_BYTES[fmt] // CHUNK):
+                    # A prefetch never faults (it does not change program behaviour), so running
+                    # past the end of qs is harmless.
+                    ahead = builder.gep(qs_.data, [builder.add(wbase, c(CHUNK * ch + PREFETCH_BYTES))])
+                    builder.call(prefetch, [builder.bitcast(ahead, _I8.as_pointer()), *pf_args])
+                    wv = builder.load(at(qs_, builder.add(wbase, c(CHUNK * ch)), _VB), align=1)
+                    if fmt == "q8g":
+                        # Flipping the sign bit reads int8 code q as the unsigned byte q + 128.
+                        parts = [(builder.xor(wv, ir.Constant(_VB, [0x80] * CHUNK)), 4 * ch)]
+                    else:
+                        parts = [(builder.and_(wv, ir.Constant(_VB, [15] * CHUNK)), 4 * ch),
+                                 (builder.lshr(wv, ir.Constant(_VB, [4] * CHUNK)), GROUP // 2 + 4 * ch)]
+                    if fmt == "mxfp4":
+                        parts = [(_lookup(builder, wpart, _MXFP4_LUT, isa), k) for wpart, k in parts]
+                    for t in range(tokens):
+                        for wpart, k in parts:
+                            x4 = builder.load(at(xq_, builder.add(xbase[t], c(k)), _I32), align=1)
+                            iacc[t] = _dot4(builder, iacc[t], wpart, x4, dot_isa)
+                if fmt == "mxfp4":
+                    scale = _e8m0_to_f32(builder, builder.load(at(sc_, builder.mul(bg, c(ROWS)),
+                                                                  ir.VectorType(_I8, ROWS)), align=1))
+                else:
+                    half = ir.VectorType(ir.HalfType(), ROWS)
+                    s16 = builder.load(at(sc_, builder.mul(bg, c(ROWS)), ir.VectorType(_I16, ROWS)), align=2)
+                    scale = builder.fpext(builder.bitcast(s16, half), _VF)
+                for t in range(tokens):
+                    tg = builder.add(builder.mul(rows[t], G), g)
+                    corr = builder.mul(builder.load(builder.gep(xsum_.data, [tg])), ir.Constant(_I32, offset))
+                    dots = builder.sitofp(builder.sub(iacc[t], _splat(builder, corr, _VI)), _VF)
+                    xsc = _splat(builder, builder.load(builder.gep(xs_.data, [tg])), _VF)
+                    term = builder.fmul(builder.fmul(dots, scale), xsc)
+                    builder.store(builder.fadd(builder.load(faccs[t]), term), faccs[t])
+            tsv = _splat(builder, tscale_, _VF)
+            for t in range(tokens):
+                out = at(y_, builder.add(builder.mul(rows[t], Np), builder.mul(b_, c(ROWS))), _VF)
+                builder.store(builder.fmul(builder.load(faccs[t]), tsv), out, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return block
+
+
+ISA = _host_isa()
+block_tile = _make_block(TOKEN_TILE, ISA)
+block_one = _make_block(1, ISA)
