@@ -159,3 +159,41 @@ K3_TRUNK_PARAMS = (2 * 163840 * K3_D + K3_D + 2 * K3_D  # embedding, lm_head, fi
                    + 69 * K3_KDA + 24 * K3_MLA + 93 * K3_PER_LAYER + 3 * 33792 * K3_D + 92 * K3_MOE)
 # one routed expert: w1, w3 [3072, 3584] and w2 [3584, 3072], 4 bits per weight + one scale byte per 32
 K3_EXPERT_MXFP4 = 3 * 3072 * 3584 * 17 // 32
+
+
+def test_k3_weights_by_hand_as_shipped():
+    plan = make_plan("k3", scheme="bf16")
+    w = plan.weights
+    assert w.trunk == 2 * K3_TRUNK_PARAMS
+    assert w.expert_storage == "mxfp4" and w.per_expert == K3_EXPERT_MXFP4 == 17_547_264
+    assert w.per_expert * 8 == 3 * 3072 * 3584 * 4.25  # 4.25 bits per weight
+    assert w.experts_total == 92 * 896 * K3_EXPERT_MXFP4
+    assert w.by_class["attn_res"] == 2 * (93 * 4 * K3_D + 2 * K3_D)
+    assert w.by_class["latent_moe"] == 2 * 92 * (2 * 3584 * K3_D + 3584)
+    # K3 is a 2.8-trillion-parameter model
+    assert 2.7e12 < K3_TRUNK_PARAMS + 92 * 896 * 3 * 3072 * 3584 < 2.9e12
+
+
+def test_k3_cache_fraction_at_24_and_512_gib(capsys):
+    plan = make_plan("k3", scheme="bf16")
+    resident = 2 * K3_TRUNK_PARAMS + plan.state.total
+    total = 92 * 896
+    assert plan.experts_fit_at(24 << 30) == 0 and plan.cache_room_at(24 << 30) == (24 << 30) - resident < 0
+    fit = ((512 << 30) - resident) // K3_EXPERT_MXFP4
+    assert plan.experts_fit_at(512 << 30) == fit and 0 < fit < total
+    assert main(["plan", "k3", "--quant", "bf16", "--json"]) == 0
+    budgets = json.loads(capsys.readouterr().out)["budgets"]
+    assert [b["ram_bytes"] for b in budgets] == [24 << 30, 512 << 30]
+    assert budgets[1]["experts_fit"] == fit and budgets[1]["experts_fit_fraction"] == fit / total
+    assert main(["plan", "k3", "--quant", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "RAM budget 24 GiB" in out and "RAM budget 512 GiB" in out and "does NOT fit" in out
+    assert f"experts that fit: {fit:,d} of {total:,d} ({100 * fit / total:.1f}%)" in out
+    assert "routed experts (mxfp4), total" in out
+
+
+def test_k3_experts_can_be_priced_in_another_storage():
+    q4 = make_plan("k3", scheme="q4", experts="q4").weights
+    mx = make_plan("k3", scheme="q4").weights
+    assert (q4.expert_storage, mx.expert_storage) == ("q4g", "mxfp4")
+    assert q4.trunk == mx.trunk and q4.per_expert > mx.per_expert  # Q4G: 4.5 bits and more per weight
