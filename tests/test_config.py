@@ -107,13 +107,14 @@ def test_k3_preset_reads_every_k3_field():
     cfg = load_preset("k3")
     assert cfg.attn_res_block_size == 12 and cfg.latent_moe_use_norm
     assert (cfg.situ_beta, cfg.situ_linear_beta) == (4.0, 25.0)
-    assert cfg.routed_expert_hidden_size == 3584
+    assert cfg.expert_quant == "mxfp4" and cfg.routed_expert_hidden_size == 3584
+    assert cfg.raw["text_config"]["quantization_config"] == MXFP4_QUANTIZATION_CONFIG
 
 
 def test_small_k3_presets_have_the_shapes_tests_and_notebooks_need():
     tiny, mini = load_preset("k3-tiny"), load_preset("k3-mini")
     for cfg in (tiny, mini):
-        assert cfg.model_type == "kimi_k3" and cfg.hidden_act == "situ"
+        assert cfg.model_type == "kimi_k3" and cfg.hidden_act == "situ" and cfg.expert_quant == "mxfp4"
         assert cfg.kda_layers and cfg.mla_layers and cfg.first_k_dense_replace == 1
         # several AttnRes blocks, the last one partial
         assert cfg.num_layers > 2 * cfg.attn_res_block_size and cfg.num_layers % cfg.attn_res_block_size

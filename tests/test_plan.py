@@ -148,14 +148,59 @@ def test_plan_of_a_container_reads_the_manifest(tmp_path, capsys):
 
 
 # K3 (FACTS.md) by hand: D 7168, vocab 163840, 69 KDA + 24 MLA layers, layer 0 dense, 92 MoE layers.
+# Matrices are stored at the scheme's width; vectors, conv taps, the router and the AttnRes
+# projections stay float32 arrays in every scheme (4 bytes each).
 K3_D, K3_HK = 7168, 96 * 128
-K3_KDA = 3 * K3_HK * K3_D + 3 * K3_HK * 4 + 128 + K3_HK + 128 * K3_D + K3_HK * 128 + 96 * K3_D + K3_HK * K3_D \
-    + 128 + K3_D * K3_HK  # q,k,v; convs; A_log [128]; dt_bias; f_a; f_b; b; full-rank g; o_norm; o
-K3_MLA = 1536 * K3_D + 1536 + 96 * 192 * 1536 + 576 * K3_D + 512 + 96 * 256 * 512 + K3_D * 96 * 128 \
-    + 96 * 128 * K3_D  # q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o, output gate g
-K3_MOE = 896 * K3_D + 896 + 3584 * K3_D + K3_D * 3584 + 3584 + 3 * (2 * 3072) * K3_D  # router, bias, latent, shared
-K3_PER_LAYER = 2 * K3_D + 4 * K3_D  # two block norms; AttnRes norm + proj before attention and before the FFN
-K3_TRUNK_PARAMS = (2 * 163840 * K3_D + K3_D + 2 * K3_D  # embedding, lm_head, final norm, output AttnRes
-                   + 69 * K3_KDA + 24 * K3_MLA + 93 * K3_PER_LAYER + 3 * 33792 * K3_D + 92 * K3_MOE)
+K3_KDA_MATRICES = 3 * K3_HK * K3_D + 128 * K3_D + K3_HK * 128 + 96 * K3_D + K3_HK * K3_D + K3_D * K3_HK
+K3_KDA_ARRAYS = 3 * K3_HK * 4 + 128 + K3_HK + 128  # convs; A_log [128]; dt_bias; o_norm
+K3_MLA_MATRICES = 1536 * K3_D + 96 * 192 * 1536 + 576 * K3_D + 96 * 256 * 512 + K3_D * 96 * 128 + 96 * 128 * K3_D
+K3_MLA_ARRAYS = 1536 + 512  # q_a and kv_a layernorms
+K3_MOE_MATRICES = 3584 * K3_D + K3_D * 3584 + 3 * (2 * 3072) * K3_D  # latent down/up, two shared experts
+K3_MOE_ARRAYS = 896 * K3_D + 896 + 3584  # router, its bias, the latent norm
+K3_LAYER_ARRAYS = 2 * K3_D + 4 * K3_D  # two block norms; AttnRes norm + proj before attention and before the FFN
+K3_TRUNK_MATRICES = 2 * 163840 * K3_D + 69 * K3_KDA_MATRICES + 24 * K3_MLA_MATRICES + 3 * 33792 * K3_D \
+    + 92 * K3_MOE_MATRICES  # embedding, lm_head, attention, dense FFN, MoE
+K3_TRUNK_ARRAYS = K3_D + 2 * K3_D + 69 * K3_KDA_ARRAYS + 24 * K3_MLA_ARRAYS + 93 * K3_LAYER_ARRAYS \
+    + 92 * K3_MOE_ARRAYS  # final norm, output AttnRes, ...
+K3_TRUNK_PARAMS = K3_TRUNK_MATRICES + K3_TRUNK_ARRAYS
+K3_TRUNK_BF16 = 2 * K3_TRUNK_MATRICES + 4 * K3_TRUNK_ARRAYS
 # one routed expert: w1, w3 [3072, 3584] and w2 [3584, 3072], 4 bits per weight + one scale byte per 32
 K3_EXPERT_MXFP4 = 3 * 3072 * 3584 * 17 // 32
+
+
+def test_k3_weights_by_hand_bf16():
+    plan = make_plan("k3", scheme="bf16")
+    w = plan.weights
+    assert w.trunk == K3_TRUNK_BF16
+    assert w.expert_storage == "mxfp4" and w.per_expert == K3_EXPERT_MXFP4 == 17_547_264
+    assert w.per_expert * 8 == 3 * 3072 * 3584 * 4.25  # 4.25 bits per weight
+    assert w.experts_total == 92 * 896 * K3_EXPERT_MXFP4
+    assert w.by_class["attn_res"] == 4 * (93 * 4 * K3_D + 2 * K3_D)
+    assert w.by_class["latent_moe"] == 92 * (2 * 2 * 3584 * K3_D + 4 * 3584)
+    # K3 is a 2.8-trillion-parameter model
+    assert 2.7e12 < K3_TRUNK_PARAMS + 92 * 896 * 3 * 3072 * 3584 < 2.9e12
+
+
+def test_k3_cache_fraction_at_24_and_512_gib(capsys):
+    plan = make_plan("k3", scheme="bf16")
+    resident = K3_TRUNK_BF16 + plan.state.total
+    total = 92 * 896
+    assert plan.experts_fit_at(24 << 30) == 0 and plan.cache_room_at(24 << 30) == (24 << 30) - resident < 0
+    fit = ((512 << 30) - resident) // K3_EXPERT_MXFP4
+    assert plan.experts_fit_at(512 << 30) == fit and 0 < fit < total
+    assert main(["plan", "k3", "--quant", "bf16", "--json"]) == 0
+    budgets = json.loads(capsys.readouterr().out)["budgets"]
+    assert [b["ram_bytes"] for b in budgets] == [24 << 30, 512 << 30]
+    assert budgets[1]["experts_fit"] == fit and budgets[1]["experts_fit_fraction"] == fit / total
+    assert main(["plan", "k3", "--quant", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "RAM budget 24 GiB" in out and "RAM budget 512 GiB" in out and "does NOT fit" in out
+    assert f"experts that fit: {fit:,d} of {total:,d} ({100 * fit / total:.1f}%)" in out
+    assert "routed experts (mxfp4), total" in out
+
+
+def test_k3_experts_can_be_priced_in_another_storage():
+    q4 = make_plan("k3", scheme="q4", experts="q4").weights
+    mx = make_plan("k3", scheme="q4").weights
+    assert (q4.expert_storage, mx.expert_storage) == ("q4g", "mxfp4")
+    assert q4.trunk == mx.trunk and q4.per_expert > mx.per_expert  # Q4G: 4.5 bits and more per weight

@@ -44,14 +44,13 @@ from waste.container.format import (
 )
 from waste.errors import WasteError
 from waste.fileio import install_dir, recover_stale, remove_tree, temp_dir_for
+from waste.kernels.mxfp4 import quantize_mxfp4
 from waste.tokenizer import synthetic_tokenizer_files, write_files
 from waste.units import human_bytes, parse_size
 
 DTYPES = {"bf16": ("BF16", ml_dtypes.bfloat16), "f32": ("F32", np.float32)}
 _ST_NUMPY = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "U8": np.uint8}
 EXPERT_FORMATS = ("mxfp4", "bf16", "f32")
-# The MXFP4 codec (waste.kernels.mxfp4, issue 12) lands separately; until then synth writes float experts.
-_MXFP4_READY = False
 INDEX = "model.safetensors.index.json"
 _RESIDUAL_WRITERS = (".o_proj.weight", ".down_proj.weight", ".w2.weight", ".routed_expert_up_proj.weight")
 LOGIT_STD = 3.0
@@ -151,8 +150,6 @@ class _Values:
         if buf is None:
             return synth_values(source, shape, self.cfg, self.seed).astype(_ST_NUMPY[st_dtype])
         if self._mxfp4 is None or self._mxfp4[0] != source:
-            from waste.kernels.mxfp4 import quantize_mxfp4
-
             packed, scales = quantize_mxfp4(synth_values(source, self.shapes[source], self.cfg, self.seed))
             self._mxfp4 = (source, {"packed": packed, "scales": scales})
         return self._mxfp4[1][buf]
@@ -194,9 +191,6 @@ def _checkpoint_layout(cfg: ModelConfig, dtype: str, expert_format: str | None,
         return hf, entries
     expert_format = expert_format or ("mxfp4" if cfg.expert_quant == "mxfp4" else dtype)
     mxfp4 = expert_format == "mxfp4"
-    if mxfp4 and not _MXFP4_READY:
-        raise WasteError("MXFP4 experts need the MXFP4 codec, which has not landed yet (issue 12); "
-                         "pass --expert-format bf16 or f32")
     quant = cfg.raw.get("text_config", {}).get("quantization_config") if cfg.expert_quant else None
     quant = quant or k3_layout.MXFP4_QUANTIZATION_CONFIG
     hf = k3_layout.k3_config_json(hf, quant if mxfp4 else None)

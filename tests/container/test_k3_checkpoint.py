@@ -16,8 +16,8 @@ from waste.cli import main
 from waste.config import load_preset
 from waste.container import open_container
 from waste.container.convert import convert
-from waste.container.format import EXPERT_PARTS, expected_tensors, expert_name
-from waste.container.k3_layout import VISION_TENSORS, canonical, checkpoint_name
+from waste.container.format import EXPERT_PARTS, expected_expert_tensors, expected_tensors, expert_name
+from waste.container.k3_layout import MXFP4_QUANTIZATION_CONFIG, VISION_TENSORS, canonical, checkpoint_name
 from waste.synth import synthesize
 
 CFG = load_preset("k3-tiny")
@@ -190,3 +190,140 @@ def test_synthesised_router_spreads_tokens_over_the_experts() -> None:
         assert counts.min() > 0 and counts.max() < 0.5 * len(x), counts
 
 
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """k3-tiny as K3 ships it (bf16, MXFP4 experts) and its f32-trunk container."""
+    root = tmp_path_factory.mktemp("k3-mxfp4")
+    hf = synthesize("k3-tiny", root / "hf", dtype="bf16")
+    return hf, convert(hf, root / "c.waste", quant="f32", progress=False)
+
+
+
+def test_synth_writes_mxfp4_experts_with_the_quantization_config(mxfp4_pair: tuple[Path, Path]) -> None:
+    hf, _ = mxfp4_pair
+    config = json.loads((hf / "config.json").read_text())
+    assert config["text_config"]["quantization_config"] == MXFP4_QUANTIZATION_CONFIG
+    raw = read_raw(hf)
+    r, inter = CFG.routed_expert_hidden_size, CFG.moe_intermediate_size
+    w1 = f"{BLOCK}.block_sparse_moe.experts.3.w1"
+    assert raw[f"{w1}.weight_packed"].dtype == np.uint8 and raw[f"{w1}.weight_packed"].shape == (inter, r // 2)
+    assert raw[f"{w1}.weight_scale"].dtype == np.uint8 and raw[f"{w1}.weight_scale"].shape == (inter, r // 32)
+    assert raw[f"{BLOCK}.block_sparse_moe.experts.3.w2.weight_packed"].shape == (r, inter // 2)
+    assert f"{w1}.weight" not in raw
+    # every canonical tensor is there exactly once, experts as packed + scale pairs
+    text = [n for n in raw if n not in VISION_TENSORS]
+    n_expert_tensors = 2 * len(CFG.moe_layers) * CFG.num_experts * len(EXPERT_PARTS)
+    assert len(text) == len(expected_tensors(CFG)) + n_expert_tensors
+    # the packed experts decode to the random values synth drew, within MXFP4's rounding
+    from waste.kernels.mxfp4 import dequantize_mxfp4
+    from waste.synth import synth_values
+
+    name = expert_name(LAYER, 3, "w1")
+    want = synth_values(name, (inter, r), CFG, 0)
+    got = dequantize_mxfp4(raw[f"{w1}.weight_packed"], raw[f"{w1}.weight_scale"])
+    assert np.abs(got - want).max() <= 0.25 * np.abs(want).max()
+
+
+def test_mxfp4_experts_reach_the_container_byte_for_byte(mxfp4_pair: tuple[Path, Path]) -> None:
+    hf, path = mxfp4_pair
+    raw = read_raw(hf)
+    with open_container(path) as c:
+        assert c.expert_storage == "mxfp4" and c.scheme == "f32"
+        parts = expected_expert_tensors(c.config)
+        for layer in c.config.moe_layers:
+            for e in range(c.config.num_experts):
+                for part, m in zip(EXPERT_PARTS, c.expert(layer, e), strict=True):
+                    stem = checkpoint_name(expert_name(layer, e, part)).removesuffix(".weight")
+                    assert m.fmt == "mxfp4" and m.shape == parts[part]
+                    assert np.array_equal(m.buffers["packed"], raw[f"{stem}.weight_packed"])
+                    assert np.array_equal(m.buffers["scales"], raw[f"{stem}.weight_scale"])
+        # one blob = three matrices at 4.25 bits per weight, padded to the 4 KiB blob
+        data = sum(n * k * 17 // 32 for n, k in parts.values())
+        assert c.byte_counts()["expert_data_bytes"] == data
+    assert main(["verify", str(path)]) == 0
+
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t, s: t[s].__setitem__((0, 0), 255), "holds the E8M0 NaN scale byte 255"),
+        (lambda t, s: t.update({s: t[s].astype(np.float32)}), "wrong dtype in 1 tensor(s)"),
+        (lambda t, s: t.update({s.replace(".weight_scale", ".weight"): np.zeros((32, 32), np.float32)}),
+         "unexpected 1 tensor(s)"),
+    ],
+)
+def test_bad_mxfp4_tensors_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], edit,
+                                       message: str) -> None:
+    hf = synthesize("k3-tiny", tmp_path / "hf", dtype="bf16")
+    rewrite(hf, lambda t: edit(t, f"{BLOCK}.block_sparse_moe.experts.0.w1.weight_scale"))
+    code = main(["convert", str(hf), str(tmp_path / "c.waste"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_experts_can_be_requantised_or_widened_when_asked(mxfp4_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    hf, path = mxfp4_pair
+    widened = convert(hf, tmp_path / "f32.waste", quant="f32", experts="f32", progress=False)
+    q4 = convert(hf, tmp_path / "q4.waste", quant="q8", experts="q4", progress=False)
+    with open_container(path) as c, open_container(widened) as w, open_container(q4) as q:
+        assert (w.expert_storage, q.expert_storage) == ("f32", "q4g")
+        for a, b, m in zip(c.expert(LAYER, 2), w.expert(LAYER, 2), q.expert(LAYER, 2), strict=True):
+            exact = a.dequantize()
+            assert np.array_equal(b.dequantize(), exact)
+            assert m.fmt == "q4g"
+            err = np.abs(m.dequantize() - exact).max()
+            assert 0 < err <= 0.2 * np.abs(exact).max()
+
+
+
+def test_info_shows_the_expert_storage(mxfp4_pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    _, path = mxfp4_pair
+    assert main(["info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["expert_format"] == "mxfp4" and info["model_type"] == "kimi_k3"
+    assert info["trunk_formats"]["array f32"] > 0
+
+
+
+def test_expert_storage_in_the_manifest(mxfp4_pair: tuple[Path, Path], tmp_path: Path,
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    import shutil
+
+    from waste.container import ContainerError
+    from waste.container.format import CHECKSUM_KEY, manifest_checksum
+    from waste.testing import tiny_container
+
+    _, path = mxfp4_pair
+    # an MXFP4 container whose manifest lost experts.storage falls back to the scheme's and is refused
+    broken = shutil.copytree(path, tmp_path / "broken.waste")
+    manifest = json.loads((broken / "manifest.json").read_text())
+    assert manifest["experts"].pop("storage") == "mxfp4"
+    manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ContainerError, match="blob_bytes: 4096, the f32 layout needs"):
+        open_container(broken)
+    # a manifest without experts.storage means the scheme's storage
+    old = shutil.copytree(tiny_container(tmp_path_factory, quant="q4"), tmp_path / "old.waste")
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest["experts"].pop("storage") == "q4g"
+    manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with open_container(old) as c:
+        assert c.expert_storage == "q4g"
+
+
+def test_mxfp4_needs_k3_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["synth", "tiny", str(tmp_path / "hf"), "--expert-format", "mxfp4"])
+    assert code == 2 and "K3's layout only" in capsys.readouterr().err
+
+
+def test_missing_expert_scale_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hf = synthesize("k3-tiny", tmp_path / "hf", dtype="bf16")
+    rewrite(hf, lambda t: t.pop(f"{BLOCK}.block_sparse_moe.experts.5.w2.weight_scale"))
+    code = main(["convert", str(hf), str(tmp_path / "c.waste"), "--quiet"])
+    err = capsys.readouterr().err
+    message = f"missing 1 tensor(s): model.layers.{LAYER}.block_sparse_moe.experts.5.w2.weight_scale"
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "c.waste").exists()
