@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_close
 
 from waste.errors import WasteError
-from waste.kernels.mla import mla_decode, mla_prefill
+from waste.kernels.mla import heads_times, mla_decode, mla_prefill
 from waste.reference.mla import mla_attention
 
 RTOL = 1e-5
@@ -116,3 +116,29 @@ def test_decode_head_groups(heads: int) -> None:
     ref_p /= ref_p.sum(axis=1, keepdims=True)
     assert_close(p, ref_p, RTOL)
     assert_close(o, ref_p @ latent[:n, :R].astype(np.float64), RTOL)
+
+
+@pytest.mark.parametrize("cuts", [(1,), (5,), (7, 8), (3, 11, 12)])
+def test_prefill_is_chunk_invariant(cuts: tuple[int, ...]) -> None:
+    """Any cut of the prompt into chunks gives the same bits for every query (session resume)."""
+    rng = np.random.default_rng(11)
+    T = 13
+    latent, _, _, _ = _problem(rng, T, T + 2)
+    q = rng.standard_normal((T, H, R + ROPE)).astype(np.float32)
+    whole = mla_prefill(q, latent, 0, 0.2, R)
+    parts, t0 = [], 0
+    for t1 in (*cuts, T):
+        parts.append(mla_prefill(q[t0:t1], latent, t0, 0.2, R))
+        t0 = t1
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def test_heads_times_matches_float64_and_ignores_row_count() -> None:
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((9, H, 20)).astype(np.float32)
+    w = rng.standard_normal((H, 20, 7)).astype(np.float32)
+    y = heads_times(x, w)
+    assert_close(y, np.einsum("tha,hab->thb", x.astype(np.float64), w.astype(np.float64)), RTOL)
+    np.testing.assert_array_equal(heads_times(x[4:6], w), y[4:6])
+    with pytest.raises(WasteError):
+        heads_times(x, w[:, :19])

@@ -25,7 +25,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
-from waste.kernels.mla import mla_decode, mla_prefill
+from waste.kernels.mla import heads_times, mla_decode, mla_prefill
 from waste.kernels.quant import QMatrix
 
 GetMatrix = Callable[[str], QMatrix]
@@ -154,10 +154,8 @@ class MLALayer:
             q = self.q_b_proj.matmul(_rms_norm(self.q_a_proj.matmul(x), self.q_a_norm, self.eps))
         q = q.reshape(T, self.H, self.nope + self.rope)
         q_abs = np.empty((T, self.H, self.latent_size), np.float32)
-        # [H, T, nope] @ [H, nope, R] -> [H, T, R], one GEMM per head; numpy only hands
-        # contiguous operands to BLAS (a strided view takes a loop 20x slower).
-        q_nope = np.ascontiguousarray(q[:, :, : self.nope].transpose(1, 0, 2))
-        q_abs[:, :, : self.R] = np.matmul(q_nope, self.w_uk).transpose(1, 0, 2)
+        # Per head [T, nope] @ [nope, R] in a kernel whose rows do not depend on T (chunk-invariant prefill).
+        q_abs[:, :, : self.R] = heads_times(q[:, :, : self.nope], self.w_uk)
         q_abs[:, :, self.R :] = q[:, :, self.nope :]
         return q_abs
 
@@ -170,8 +168,7 @@ class MLALayer:
     def _output(self, x: np.ndarray, o_lat: np.ndarray) -> np.ndarray:
         """Attended latents o_lat [T, H, R] -> y [T, hidden] through W_UV, the gate and o_proj."""
         T = o_lat.shape[0]
-        o = np.matmul(np.ascontiguousarray(o_lat.transpose(1, 0, 2)), self.w_uv_t)
-        o = o.transpose(1, 0, 2).reshape(T, self.H * self.v_dim)
+        o = heads_times(o_lat, self.w_uv_t).reshape(T, self.H * self.v_dim)
         if self.g_proj is not None:
             o = o * _sigmoid(self.g_proj.matmul(x))
         return self.o_proj.matmul(np.ascontiguousarray(o, np.float32))

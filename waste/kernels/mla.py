@@ -10,13 +10,13 @@ Nothing here ever expands the cache into per-head keys or values.
 
 Decode is a Numba kernel: blocks of cached rows shared by all heads, scored four heads by two
 rows at a time (eight independent sums) and summed two heads by four rows at a time.
-Prefill is two BLAS products per tile of queries around a NumPy softmax. Measured at the
-Kimi-Linear shape (H = 32, D = 576, R = 512), 32-token chunks up to 2048 tokens, 2 cores,
-with BLAS on one thread as waste.jit sets it: 1.55x faster than the best Numba prefill tried
-(four queries per key dot product, four keys per output row: 41 GMAC/s on two threads),
-1.45x with KDA kernels run between the calls. With OpenBLAS's two spinning worker threads the
-same code made the engine's whole prefill on `mini` 3x slower. For decode, the two-thread
-Numba kernel beats one BLAS thread: 3.0 against 4.1 ms over a 4K cache.
+Prefill runs each query through the same decode kernel over exactly its causal prefix, so a
+query's output depends only on its position and the cache, never on how the prompt was cut
+into chunks: prefill is chunk-invariant bit for bit (issue 13), and equals decode. BLAS
+products were 1.5x faster at the Kimi-Linear shape, but their results depend on the number of
+rows in the call (OpenBLAS picks edge kernels by the row count), which broke bit-exact session
+resume on AVX2 machines. The per-head absorption products (W_UK into the query, W_UV out of
+the latent) are a Numba kernel for the same reason (`heads_times`).
 
 Shapes: q_abs [H, D] (decode) or [T, H, D] (prefill); latent [capacity, D]; output
 [H, R] or [T, H, R]; probs [H, n] with n the number of cached tokens attended.
@@ -148,27 +148,31 @@ def _decode(q, latent, n, scale, kv_rank, nchunks, block, probs, out):
             out[h, r] = acc
 
 
-# Queries per BLAS tile in the prefill: bounds the scores at tile x H x n floats
-# (64 x 32 x 4096 x 4 B = 32 MiB at Kimi-Linear's 32 heads and a 4K context).
-PREFILL_QUERY_TILE = 64
+@parallel_kernel
+def _heads_times(x, w, y):
+    """y[t, h] = x[t, h] @ w[h] for x [T, H, A], w [H, A, B] -> y [T, H, B]; each output is summed
+    over A in the same order whatever T is (rows never share a BLAS tile)."""
+    T, H, A = x.shape
+    B = w.shape[2]
+    for h in prange(H):
+        for t in range(T):
+            for j in range(B):
+                y[t, h, j] = np.float32(0.0)
+            for a in range(A):
+                xa = x[t, h, a]
+                for j in range(B):
+                    y[t, h, j] += xa * w[h, a, j]
 
 
-def _prefill_tile(q, keys, first, scale, kv_rank, out):
-    """Queries q [T, H, D] at positions first..first+T-1 over keys [first + T, D] -> out [T, H, R].
-
-    Two BLAS products (scores, then probabilities times latents) around a causal softmax;
-    the causal mask only ever hides part of the last T columns.
-    """
-    T, H, D = q.shape
-    n = keys.shape[0]
-    s = (q.reshape(T * H, D) @ keys.T).reshape(T, H, n)
-    s *= np.float32(scale)
-    ahead = np.arange(T)[:, None] < np.arange(T)[None, :]  # key first + j is after query t
-    np.putmask(s[:, :, first:], np.broadcast_to(ahead[:, None, :], (T, H, T)), -np.inf)
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    out[...] = (s.reshape(T * H, n) @ keys[:, :kv_rank]).reshape(T, H, kv_rank)
+def heads_times(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per-head products x [T, H, A] @ w [H, A, B] -> [T, H, B] float32, row-count invariant."""
+    x = np.ascontiguousarray(x, np.float32)
+    w = np.ascontiguousarray(w, np.float32)
+    if x.ndim != 3 or w.ndim != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[1]:
+        raise WasteError(f"per-head product needs x [T, H, A] and w [H, A, B], got {x.shape} and {w.shape}")
+    y = np.empty((x.shape[0], x.shape[1], w.shape[2]), np.float32)
+    _heads_times(x, w, y)
+    return y
 
 
 def _check_latent(latent: np.ndarray, q_width: int, kv_rank: int) -> None:
@@ -234,7 +238,9 @@ def mla_prefill(
         out = np.empty((T, H, kv_rank), np.float32)
     if out.shape != (T, H, kv_rank):
         raise WasteError(f"MLA prefill output must be [T, H, R] = {(T, H, kv_rank)}, got {out.shape}")
-    for t0 in range(0, T, PREFILL_QUERY_TILE):
-        t1 = min(T, t0 + PREFILL_QUERY_TILE)
-        _prefill_tile(q_abs[t0:t1], latent[: start + t1], start + t0, scale, kv_rank, out[t0:t1])
+    nchunks = max(1, num_threads())
+    for t in range(T):
+        n = start + t + 1
+        probs = np.empty((H, n), np.float32)
+        _decode(q_abs[t], latent, n, np.float32(scale), kv_rank, min(nchunks, n), DECODE_BLOCK, probs, out[t])
     return out
