@@ -6,7 +6,7 @@ shapes follow from (format, shape) alone, so a container can store the buffers b
 back and hand out zero-copy views on read.
 
 Formats (byte layouts, bits per weight and the measurements behind them: docs/QUANT.md):
-- "f32": float32, exact; products through NumPy's BLAS.
+- "f32": float32, exact; products in a Numba kernel whose rows do not depend on the token count.
 - "bf16": bfloat16 bits as uint16; products round the activations to bf16 and follow
   AVX512_BF16's vdpbf16ps (waste/kernels/bf16.py).
 - "q8g": int8 codes in [-127, 127], one float16 scale per group of 32 along K (8.5 bits).
@@ -90,9 +90,9 @@ class QMatrix:
             raise WasteError(f"{self.fmt} matrix {self.shape}: matvec input must have shape ({self.shape[1]},), "
                              f"got {x.shape}")
         if self.fmt == "f32":
-            y = np.empty(self.shape[0], np.float32)
-            _f32_matvec(self.buffers["w"], np.ascontiguousarray(x, np.float32), y)
-            return y
+            y = np.empty((1, self.shape[0]), np.float32)
+            _f32_product(self.buffers["w"], np.ascontiguousarray(x, np.float32).reshape(1, -1), y)
+            return y[0]
         if self.fmt == "bf16":
             return bf16_matmul(self.buffers["w"], np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
         return _qproduct(self, np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
@@ -105,7 +105,9 @@ class QMatrix:
             raise WasteError(f"{self.fmt} matrix {self.shape}: matmul input must have shape [T, {k}], got {X.shape}")
         X = np.ascontiguousarray(X, np.float32)
         if self.fmt == "f32":
-            return np.ascontiguousarray(X @ self.buffers["w"].T)
+            Y = np.empty((X.shape[0], n), np.float32)
+            _f32_product(self.buffers["w"], X, Y)
+            return Y
         if self.fmt == "bf16":
             return bf16_matmul(self.buffers["w"], X)
         return _qproduct(self, X)
@@ -214,17 +216,21 @@ def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-# One token's product runs here rather than in BLAS: BLAS is held to one thread (waste.jit),
-# and these loops on all cores ran 4096 x 2304 in half its time (0.62 against 1.25 ms).
+# f32 products run here rather than in BLAS, for one token and for a chunk alike: every output
+# is the same k-ordered sum whatever the number of tokens, so prefill is chunk-invariant bit for
+# bit and equals decode (BLAS picks its kernels by the row count, issue 13). BLAS is held to one
+# thread (waste.jit); on all cores this ran 4096 x 2304 for one token in half its time.
 @parallel_kernel
-def _f32_matvec(w, x, y):
-    """y[N] = W x with W float32 [N, K]."""
+def _f32_product(w, X, Y):
+    """Y[T, N] = X W^T with W float32 [N, K], X [T, K]."""
     N, K = w.shape
+    T = X.shape[0]
     for n in prange(N):
-        s = np.float32(0.0)
-        for k in range(K):
-            s += w[n, k] * x[k]
-        y[n] = s
+        for t in range(T):
+            s = np.float32(0.0)
+            for k in range(K):
+                s += w[n, k] * X[t, k]
+            Y[t, n] = s
 
 
 # -- activations --------------------------------------------------------------------------------
