@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 DEMO_DIR ?= .demo
 
-.PHONY: demo test lint lab bench bench-peer clean
+.PHONY: demo test lint lab bench bench-peer bench-scale clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench: $(VENV)
 # waste against llama.cpp built from source (network, ~GBs in ~/.cache/waste-peer; not in test or CI)
 bench-peer: $(VENV)
 	$(BIN)/python bench/peer.py
+
+# Kimi-Linear-48B-A3B q4 from disk (issue 13): synthesises a 27 GB container once into
+# $WASTE_SCALE_DIR (default /work/scale), outside the clone; not part of `make bench`.
+bench-scale: $(VENV)
+	$(BIN)/python bench/scale.py
 
 clean:
 	rm -rf $(VENV) .numba_cache $(DEMO_DIR) .pytest_cache

@@ -68,10 +68,11 @@ def mini_container(quant: str, cache_dir: Path = CACHE_DIR, *, preset: str = "mi
     return out
 
 
-def sequential_read(path: Path, *, direct: bool = False, block: int = 8 << 20) -> dict[str, Any]:
-    """Read `path` start to end in `block`-byte reads, after dropping it from the page cache;
-    with O_DIRECT when `direct` (into a page-aligned buffer). The baseline for the expert
-    store's reads: {bytes, seconds, gbps, io_mode, cache_dropped}."""
+def sequential_read(path: Path, *, direct: bool = False, block: int = 8 << 20,
+                    limit: int | None = None) -> dict[str, Any]:
+    """Read `path` start to end (or its first `limit` bytes) in `block`-byte reads, after
+    dropping it from the page cache; with O_DIRECT when `direct` (into a page-aligned buffer).
+    The baseline for the expert store's reads: {bytes, seconds, gbps, io_mode, cache_dropped}."""
     dropped = drop_page_cache(path)
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
@@ -79,7 +80,7 @@ def sequential_read(path: Path, *, direct: bool = False, block: int = 8 << 20) -
     fd = os.open(path, flags)
     try:
         t0 = time.perf_counter()
-        while True:
+        while limit is None or total < limit:
             got = os.preadv(fd, [buf], total)
             if got == 0:
                 break

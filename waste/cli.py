@@ -146,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=32)
     s.add_argument("--router-weights", choices=("unbiased", "biased"), default="unbiased")
     s.add_argument("--logits-out", help="write float32 logits [prompt_len + max_new, vocab] to this .npy")
-    s.add_argument("--expert-cache", default=None, help="byte budget of the expert cache (0 disables), e.g. 2G")
+    s.add_argument("--expert-cache", default=None,
+                   help="byte budget of the streaming expert cache (0 disables), e.g. 2G, or 'mmap' for the memory "
+                        "map; default: the memory map when every expert fits in the available RAM, else streaming "
+                        "with the room the planner leaves")
     s.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
     s.add_argument("--read-threads", type=_int(1, 256), default=4)
     s.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT where possible")

@@ -80,13 +80,14 @@ def _sampler(args: Any, saved: dict[str, Any] | None) -> Any:
 def cmd_run(args: Any) -> int:
     from waste.container.reader import open_container
     from waste.engine.experts import open_expert_store
-    from waste.engine.model import Model
+    from waste.engine.memory import peak_rss, plan_run_memory
+    from waste.engine.model import PREFILL_PASS_TOKENS, Model
     from waste.engine.runner import generate
     from waste.engine.text import chat_turn_ids, text_printer
     from waste.engine.trace import TraceRecorder
     from waste.tokenizer import require_tokenizer
 
-    budget = None if args.expert_cache is None else parse_size(args.expert_cache, "--expert-cache")
+    budget = None if args.expert_cache in (None, "mmap") else parse_size(args.expert_cache, "--expert-cache")
     outputs = dict(_output_paths(args))
     container = open_container(args.container, verify=not args.no_verify)
     tokenizer = require_tokenizer(args.container) if _text_args(args) else None
@@ -95,6 +96,14 @@ def cmd_run(args: Any) -> int:
     if len(prompt) + args.max_new > cfg.max_position_embeddings:
         raise WasteError(f"context of {len(prompt) + args.max_new} tokens (prompt {len(prompt)} + --max-new "
                          f"{args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
+    memory = None
+    if args.expert_cache is None:
+        # Plan against the context this run reaches (a resumed session adds its own tokens,
+        # which the planner cannot know before the session is read: its state is small).
+        memory = plan_run_memory(container, len(prompt) + args.max_new, chunk=args.prefill_chunk,
+                                 pass_tokens=PREFILL_PASS_TOKENS, all_logits=bool(args.logits_out))
+        budget = None if memory.experts_fit else memory.cache_budget
+        print(memory.describe(), file=sys.stderr)  # stdout may carry the generated text
     store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.direct_io)
     model = Model(container, store=store, router_weights=args.router_weights)
     if args.session_in:
@@ -143,6 +152,12 @@ def cmd_run(args: Any) -> int:
         print(f"prefill expert dedup ratio (token-expert pairs per unique expert fetched): "
               f"{np.mean(model.times.dedup):.2f}")
     print(store.stats.format_table())
+    total = store.stats.total
+    hit = "-" if total.requests == 0 or store.io_mode == "mmap" else f"{100 * total.hit_rate:.1f}%"
+    planned = f"planned peak {human_bytes(memory.planned_peak)}, " if memory is not None else ""
+    print(f"memory: {planned}peak RSS {human_bytes(peak_rss())}; experts: store {store.io_mode}, "
+          f"cache budget {human_bytes(getattr(store, 'budget_bytes', 0))}, hit rate {hit}, "
+          f"read {total.bytes_read / 1e9:.2f} GB")
     for line in written:
         print(line)
     store.close()

@@ -9,10 +9,13 @@ K3 differs in three places, each in its own module: the residual stream is AttnR
 RMSNorm reads a depth-attention mix of block summaries instead of h; `waste.engine.residual`),
 the MoE is latent (`waste.engine.latent_moe`), and every MLP uses the SiTU activation.
 
-Prefill runs a chunk of tokens through every layer before the next chunk (layer-major),
-so each projection is one matrix product over the chunk and each routed expert a chunk
-uses is fetched once. Decode runs one token with the recurrent KDA step and MLA attention
-in the latent space.
+Prefill is layer-major over passes of up to PREFILL_PASS_TOKENS prompt tokens: each layer
+takes the whole pass before the next layer starts. Attention walks the pass in chunks of
+`chunk` tokens (its state carries from chunk to chunk); the FFN takes the whole pass at once,
+so each routed expert the pass uses is fetched once per layer (one store `get` per layer and
+pass): a prompt of up to PREFILL_PASS_TOKENS tokens never reads more expert bytes than the
+model holds, whatever the cache budget. Decode runs one token with the recurrent KDA step
+and MLA attention in the latent space.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from waste.engine.trace import expand_hits
 from waste.errors import NonFiniteError, WasteError
 
 DEFAULT_PREFILL_CHUNK = 32
+# Tokens a prefill pass takes through each layer at once: the residual stream of a pass is
+# PREFILL_PASS_TOKENS x hidden floats (19 MB at 2048 x 2304), its MoE reads each expert once.
+PREFILL_PASS_TOKENS = 2048
 
 
 def check_finite(x: np.ndarray, where: str, positions: np.ndarray) -> None:
@@ -146,9 +152,10 @@ class Model:
         return a
 
     def _layers(self, h: np.ndarray, positions: np.ndarray, session: Session, phase: str,
-                observer: Observer | None) -> np.ndarray:
-        """Run the embedding h [T, hidden] through every layer -> what the final norm reads;
-        T == 1 with phase 'decode' uses the decode paths."""
+                observer: Observer | None, chunk: int = 1) -> np.ndarray:
+        """Run the embedding h [T, hidden] through every layer, layer-major -> what the final norm
+        reads; attention takes `chunk` rows at a time (in order, so its state carries over), the
+        FFN all T rows at once. T == 1 with phase 'decode' uses the decode paths."""
         cfg, times = self.config, self.times
         decode = phase == "decode"
         stream = PlainResidual(h) if self.attn_res is None else AttnResResidual(self.attn_res, h)
@@ -158,7 +165,12 @@ class Model:
             t0 = times.add("attn_res", t0)
             x = rms_norm(attn_in, self.input_norms[i], cfg.rms_norm_eps)
             state = session.kda[i] if kind == "kda" else session.mla[i]
-            a = self.attn[i].decode(x[0], state)[None, :] if decode else self.attn[i].prefill(x, state)
+            if decode:
+                a = self.attn[i].decode(x[0], state)[None, :]
+            else:
+                a = np.empty_like(x)
+                for start in range(0, x.shape[0], chunk):
+                    a[start:start + chunk] = self.attn[i].prefill(x[start:start + chunk], state)
             stream.add(a)
             check_finite(a, f"layer {i} ({kind} attention)", positions)
             t0 = times.add(kind, t0)
@@ -195,8 +207,9 @@ class Model:
 
     def prefill(self, session: Session, ids: Sequence[int], *, chunk: int = DEFAULT_PREFILL_CHUNK,
                 observer: Observer | None = None, all_logits: bool = True) -> np.ndarray:
-        """Consume prompt tokens in chunks; returns float32 logits [T, vocab] for every position,
-        or [1, vocab] for the last one only when `all_logits` is False.
+        """Consume prompt tokens (layer-major passes, see the module doc); returns float32 logits
+        [T, vocab] for every position, or [1, vocab] for the last one only when `all_logits` is
+        False.
 
         Only the last position's logits are needed to continue, and at a real vocabulary
         (163840 x 2304) the lm_head over every prompt position costs more than a layer. The last
@@ -210,20 +223,22 @@ class Model:
             raise WasteError("the prompt is empty: give at least one token id")
         session.ensure_capacity(session.position + a.size)
         out = np.empty((a.size if all_logits else 1, self.config.vocab_size), np.float32)
-        for start in range(0, a.size, chunk):
-            part = a[start:start + chunk]
+        for start in range(0, a.size, PREFILL_PASS_TOKENS):
+            part = a[start:start + PREFILL_PASS_TOKENS]
             positions = np.arange(session.position, session.position + part.size)
             t0 = time.perf_counter()
             h = self.embed.take_rows(part)
             check_finite(h, "the token embeddings", positions)
             self.times.add("embed", t0)
-            h = self._layers(h, positions, session, "prefill", observer)
-            last_chunk = start + chunk >= a.size
-            if all_logits and h.shape[0] > 1 and last_chunk:
-                out[start:a.size - 1] = self._logits(h[:-1], positions[:-1])
-            elif all_logits and not last_chunk:
-                out[start:start + part.size] = self._logits(h, positions)
-            if last_chunk:
+            h = self._layers(h, positions, session, "prefill", observer, chunk)
+            last_pass = start + part.size >= a.size
+            rows = part.size - 1 if last_pass else part.size
+            if all_logits:
+                # The lm_head over `chunk` rows at a time: its output is [rows, vocab].
+                for r in range(0, rows, chunk):
+                    r1 = min(rows, r + chunk)
+                    out[start + r:start + r1] = self._logits(h[r:r1], positions[r:r1])
+            if last_pass:
                 out[-1] = self._logits(h[-1:], positions[-1:])[0]
             session.tokens.extend(int(t) for t in part)
         session.last_logits = out[-1].copy()

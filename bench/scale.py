@@ -1,0 +1,232 @@
+"""Kimi-Linear-48B-A3B in q4 on this machine (issue 13): a model bigger than RAM, decoded from disk.
+
+The container is synthesised once (`waste synth ... --quant q4`, random weights) into
+`--dir` (default $WASTE_SCALE_DIR or /work/scale, outside the repository: 27 GB) and reused.
+Each store then runs in its own child process (a fresh RSS peak, nothing shared):
+
+- `streaming`: the store `waste run` picks by default when the experts do not fit: a cache of
+  the room the memory planner leaves (`waste.engine.memory`), filled with O_DIRECT reads, so
+  the experts never sit in the page cache as well;
+- `mmap`: the container's memory map; the kernel's page cache is the expert cache.
+
+Same RAM for both: the machine's own. The q4 experts (26 GB) exceed this machine's RAM, so the
+page cache can hold only part of them, and the streaming cache is sized from the same
+available memory (`--ram` sizes the streaming budget as if the machine had that much; the
+mmap run cannot be capped without a memory cgroup, which this benchmark does not create).
+experts.bin is dropped from the page cache (posix_fadvise) before each child.
+
+Per store: a `--prompt-len` token prompt (random ids) timed as prefill, then `--new` greedy
+decode steps; steady-state decode speed is over the steps after the first `--warm` (their
+cache is warm). Reported: tokens/s, peak RSS against the planner's figure, cache budget, hit
+rate and expert GB read per decoded token, next to the planner's decode bound at the hit
+rate measured and at the cached fraction (uniform routing), with the NVMe bandwidth (a
+sequential O_DIRECT read of experts.bin) and RAM bandwidth (a copy) measured in the same run.
+Other engineers may share the cores: the load average is recorded before and after.
+
+    python bench/scale.py [--dir D] [--preset kimi-linear-48b-a3b] [--prompt-len 512] [--new 64]
+                          [--stores streaming mmap] [--ram 24G]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import numpy as np
+
+from waste.analysis.budget import copy_bandwidth, decode_speed_bound
+from waste.container import open_container
+from waste.engine.experts import MmapExpertStore, StreamingExpertStore
+from waste.engine.memory import peak_rss, plan_run_memory
+from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS, Model
+from waste.plan import make_plan
+from waste.synth_container import synthesize_container
+from waste.units import parse_size
+
+STORES = ("streaming", "mmap")
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("WASTE_SCALE_DIR", "/work/scale"))
+
+
+def container_path(args: argparse.Namespace) -> tuple[Path, float | None]:
+    """The container (synthesised when missing) and the seconds its synthesis took (None: reused)."""
+    path = args.dir / f"{args.preset}-{args.quant}.waste"
+    if (path / "manifest.json").is_file():
+        return path, None
+    args.dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    synthesize_container(args.preset, path, quant=args.quant, seed=0)
+    return path, time.perf_counter() - t0
+
+
+def run_store(args: argparse.Namespace) -> dict[str, Any]:
+    """One store, in this (child) process: prefill, decode, counters and the memory plan."""
+    rng = np.random.default_rng(0)
+    with open_container(args.container) as c:
+        cfg = c.config
+        prompt = rng.integers(0, cfg.vocab_size, args.prompt_len)
+        context = args.prompt_len + args.new + 8
+        available = None if args.ram is None else parse_size(args.ram, "--ram")
+        memory = plan_run_memory(c, context, chunk=args.prefill_chunk, pass_tokens=PREFILL_PASS_TOKENS,
+                                 available=available)
+        if args.child == "streaming":
+            store: Any = StreamingExpertStore(c, memory.cache_budget, "lru", args.read_threads, direct_io=True)
+        else:
+            store = MmapExpertStore(c)
+        model = Model(c, store=store)
+        # Compile every kernel on the path before anything is timed (Numba's cache makes this
+        # quick after the first run); its cache entries and counters are then dropped.
+        warm = model.new_session(16)
+        model.prefill(warm, prompt[:4], chunk=args.prefill_chunk, all_logits=False)
+        model.decode(warm, 0)
+        if isinstance(store, StreamingExpertStore):
+            store._cache.clear()
+        store.stats.reset()
+        dropped = common.drop_page_cache(c.experts_path)
+        session = model.new_session(context)
+        t0 = time.perf_counter()
+        model.prefill(session, prompt, chunk=args.prefill_chunk, all_logits=False)
+        prefill_s = time.perf_counter() - t0
+        prefill = store.stats.total.as_dict()
+        store.stats.reset()
+        token = int(np.argmax(session.last_logits))
+        step_s = []
+        warm_stats = None
+        for i in range(args.new):
+            if i == args.warm:
+                warm_stats = store.stats.total.as_dict()
+            t0 = time.perf_counter()
+            token = int(np.argmax(model.decode(session, token)))
+            step_s.append(time.perf_counter() - t0)
+        total = store.stats.total
+        steady = step_s[args.warm:]
+        steady_read = total.bytes_read - (warm_stats or {}).get("bytes_read", 0)
+        steady_hits = total.hits - (warm_stats or {}).get("hits", 0)
+        steady_requests = total.requests - (warm_stats or {}).get("requests", 0)
+        out = {
+            "store": args.child, "io_mode": store.io_mode, "io_note": getattr(store, "io_note", ""),
+            "cache_dropped": dropped, "memory_plan": memory.as_dict(),
+            "cache_budget": getattr(store, "budget_bytes", None),
+            "prefill_s": prefill_s, "prefill_tps": args.prompt_len / prefill_s, "prefill_stats": prefill,
+            "prefill_expert_bytes_vs_model": prefill["bytes_read"] / c.byte_counts()["expert_bytes"],
+            "decode_step_s": step_s, "decode_tps_all": len(step_s) / sum(step_s),
+            "decode_tps_steady": len(steady) / sum(steady),
+            "decode_hit_rate_steady": steady_hits / steady_requests if args.child == "streaming" else None,
+            "decode_expert_gb_per_token_steady": steady_read / len(steady) / 1e9,
+            "decode_stats": total.as_dict(), "peak_rss": peak_rss(),
+            "layer_seconds": dict(model.times.seconds),
+        }
+        store.close()
+    return out
+
+
+def child_run(args: argparse.Namespace, store: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", store, "--container", str(args.container_path),
+           "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--warm", str(args.warm),
+           "--prefill-chunk", str(args.prefill_chunk), "--read-threads", str(args.read_threads)]
+    if args.ram:
+        cmd += ["--ram", args.ram]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the {store} run failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def predictions(path: Path, result: dict[str, Any], context: int, nvme_gbps: float,
+                mem_gbps: float) -> dict[str, Any]:
+    """The planner's decode bound and RSS for the budget this run used."""
+    mp = result["memory_plan"]
+    plan = make_plan(str(path), context=context, ram=mp["available"] - mp["headroom"])
+    cached = mp["cache_budget"] / mp["experts_total"] if result["store"] == "streaming" else None
+    measured_hit = result["decode_hit_rate_steady"]
+    out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"]}
+    for label, hit in (("uniform", cached), ("measured_hit", measured_hit)):
+        if hit is not None:
+            b = decode_speed_bound(plan, min(1.0, hit), nvme_gbps, mem_gbps)
+            out[f"decode_bound_tps_{label}"] = b.tokens_per_second
+            out[f"decode_serial_tps_{label}"] = b.serial_tokens_per_second
+            out[f"hit_rate_{label}"] = hit
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=default_dir(), help="where the container lives (default "
+                        "$WASTE_SCALE_DIR or /work/scale)")
+    parser.add_argument("--preset", default="kimi-linear-48b-a3b")
+    parser.add_argument("--quant", default="q4", choices=("q4", "q8"))
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new", type=int, default=72)
+    parser.add_argument("--warm", type=int, default=8, help="decode steps left out of the steady state")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    parser.add_argument("--read-threads", type=int, default=4)
+    parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES))
+    parser.add_argument("--ram", default=None, help="size the streaming budget for this much RAM (default: "
+                        "what the machine has available)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", choices=STORES, help=argparse.SUPPRESS)
+    parser.add_argument("--container", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.new <= args.warm or args.prompt_len < 1:
+        parser.error("--new must exceed --warm and --prompt-len be at least 1")
+    if args.child:
+        print(json.dumps(run_store(args), default=common._jsonable))
+        return 0
+    load_before = list(os.getloadavg())
+    info = common.machine_info()
+    print(f"{info['cpu']}, {info['cores']} cores, load average {load_before}")
+    path, synth_s = container_path(args)
+    args.container_path = path
+    with open_container(path) as c:
+        counts = c.byte_counts()
+        seq = common.sequential_read(c.experts_path, direct=True, limit=4 << 30)
+    mem = copy_bandwidth()
+    print(f"{path}: trunk {counts['trunk_bytes'] / 1e9:.2f} GB, experts {counts['expert_bytes'] / 1e9:.2f} GB"
+          f"{'' if synth_s is None else f', synthesised in {synth_s:.0f} s'}; experts.bin read "
+          f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}), RAM copy {mem['gbps']:.1f} GB/s")
+    results = []
+    for store in args.stores:
+        r = child_run(args, store)
+        r["prediction"] = predictions(path, r, args.prompt_len + args.new, seq["gbps"], mem["gbps"])
+        results.append(r)
+    rows = []
+    for r in results:
+        p = r["prediction"]
+        rows.append([r["store"], r["io_mode"], r["prefill_tps"], r["decode_tps_steady"],
+                     p.get("decode_bound_tps_measured_hit", p.get("decode_bound_tps_uniform")),
+                     r["peak_rss"] / 2**30, p["planned_peak_rss"] / 2**30,
+                     None if r["cache_budget"] is None else r["cache_budget"] / 2**30,
+                     None if r["decode_hit_rate_steady"] is None else 100 * r["decode_hit_rate_steady"],
+                     r["decode_expert_gb_per_token_steady"], r["prefill_expert_bytes_vs_model"]])
+    print(common.format_table(["store", "io", "prefill tok/s", "decode tok/s", "bound tok/s", "peak GiB",
+                               "plan GiB", "cache GiB", "hit %", "GB/token", "prefill reads/model"], rows))
+    if len(results) == 2:
+        ratio = results[0]["decode_tps_steady"] / results[1]["decode_tps_steady"]
+        print(f"streaming / mmap decode: {ratio:.2f}x")
+    load_after = list(os.getloadavg())
+    print(f"load average before {load_before}, after {load_after} (2 cores shared with other engineers)")
+    out = args.out or common.RESULTS_DIR / f"scale-{args.preset}-{args.quant}.json"
+    common.write_json(out, {
+        "benchmark": "scale", "preset": args.preset, "scheme": args.quant, "container": str(path),
+        "machine": info, "load_average_before": load_before, "load_average_after": load_after,
+        "synth_seconds": synth_s, "trunk_bytes": counts["trunk_bytes"], "expert_bytes": counts["expert_bytes"],
+        "sequential_read": seq, "copy_bandwidth": mem,
+        "settings": {"prompt_len": args.prompt_len, "new": args.new, "warm": args.warm,
+                     "prefill_chunk": args.prefill_chunk, "read_threads": args.read_threads, "ram": args.ram},
+        "runs": results,
+    })
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Runs larger than their RAM budget: the default store, identical logits, expert reads of a prefill."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import waste.engine.model as model_module
+from waste.cli import main
+from waste.container.reader import open_container
+from waste.engine.experts import StreamingExpertStore
+from waste.engine.memory import MemoryPlan, available_memory, plan_run_memory
+from waste.engine.model import Model
+from waste.testing import tiny_container
+
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 500, 100)]
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    return tiny_container(tmp_path_factory.mktemp("memory") / "q4", quant="q4")
+
+
+def _plan(**kw: int) -> MemoryPlan:
+    base = dict(available=10_000, headroom=1_000, runtime=2_000, trunk=3_000, mla_weights=100, state=200,
+                working=700, experts_total=5_000)
+    return MemoryPlan(**{**base, **kw})
+
+
+def test_plan_arithmetic() -> None:
+    p = _plan()
+    assert p.resident == 6_000 and p.cache_budget == 3_000 and not p.experts_fit
+    assert p.planned_peak == 9_000 and "streaming, cache budget" in p.describe()
+    fits = _plan(experts_total=2_000)
+    assert fits.experts_fit and fits.planned_peak == 8_000 and "memory map" in fits.describe()
+    assert _plan(available=5_000).cache_budget == 0
+
+
+def test_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WASTE_RAM", "3G")
+    assert available_memory() == 3 << 30
+    monkeypatch.delenv("WASTE_RAM")
+    assert 0 < available_memory() < 1 << 50
+    monkeypatch.setenv("WASTE_RAM", "lots")
+    assert main(["run", "nowhere.waste", "--prompt-ids", "1"]) == 2
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """stderr (where the store's choice is said), then stdout."""
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    return captured.err + captured.out
+
+
+def test_default_streams_when_the_experts_do_not_fit(q4, tmp_path, monkeypatch, capsys) -> None:
+    """With RAM for only half the experts `waste run` streams into a cache of the planned room,
+    and its logits are those of the memory-mapped run bit for bit."""
+    ids = ",".join(map(str, PROMPT))
+    argv = ["run", str(q4), "--prompt-ids", ids, "--max-new", "6", "--prefill-chunk", "16"]
+    mapped = _run([*argv, "--expert-cache", "mmap", "--logits-out", str(tmp_path / "a.npy")], capsys)
+    assert "store mmap" in mapped
+    with open_container(q4) as c:
+        plan = plan_run_memory(c, len(PROMPT) + 6, chunk=16, pass_tokens=model_module.PREFILL_PASS_TOKENS,
+                               all_logits=True, available=0)
+        experts = c.byte_counts()["expert_bytes"]
+    monkeypatch.setenv("WASTE_RAM", str(plan.resident + plan.headroom + experts // 2))
+    streamed = _run([*argv, "--logits-out", str(tmp_path / "b.npy")], capsys)
+    first = streamed.splitlines()[0]
+    assert first.startswith("expert store: streaming, cache budget") and "resident" in first
+    assert "store buffered" in streamed and "planned peak" in streamed and "peak RSS" in streamed
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    # (64 MiB of slack: the process's own RSS moves by a few MiB between plans)
+    monkeypatch.setenv("WASTE_RAM", str(plan.resident + plan.headroom + 2 * experts + (64 << 20)))
+    roomy = _run([*argv, "--logits-out", str(tmp_path / "c.npy")], capsys)
+    assert roomy.startswith("expert store: memory map") and "store mmap" in roomy
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32])
+def test_prefill_reads_each_expert_at_most_once_per_layer(q4, chunk) -> None:
+    """A 100-token prefill with no cache at all reads at most the model's expert bytes (a
+    chunk-by-chunk prefill would read every expert again for each chunk)."""
+    with open_container(q4) as c:
+        store = StreamingExpertStore(c, 0)
+        model = Model(c, store=store)
+        model.prefill(model.new_session(len(PROMPT)), PROMPT, chunk=chunk, all_logits=False)
+        total = store.stats.total
+        assert 0 < total.bytes_read <= c.byte_counts()["expert_bytes"]
+        for layer, s in store.stats.layers.items():
+            assert s.calls == 1 and s.misses <= c.config.num_experts, layer
+        store.close()
+
+
+def test_passes_bound_the_reads_of_a_long_prompt(q4, monkeypatch) -> None:
+    """Prompts longer than a pass read the experts at most once per pass, and agree with one pass."""
+    with open_container(q4) as c:
+        runs = {}
+        for pass_tokens in (40, 1000):
+            monkeypatch.setattr(model_module, "PREFILL_PASS_TOKENS", pass_tokens)
+            store = StreamingExpertStore(c, 0)
+            model = Model(c, store=store)
+            runs[pass_tokens] = model.prefill(model.new_session(len(PROMPT)), PROMPT, chunk=16)
+            passes = -(-len(PROMPT) // pass_tokens)
+            assert store.stats.total.bytes_read <= passes * c.byte_counts()["expert_bytes"]
+            assert all(s.calls == passes for s in store.stats.layers.values())
+            store.close()
+    np.testing.assert_allclose(runs[40], runs[1000], rtol=0, atol=1e-5 * np.abs(runs[1000]).max())
