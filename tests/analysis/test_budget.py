@@ -137,3 +137,23 @@ def test_copy_bandwidth_is_measured(monkeypatch) -> None:
     assert result["buffer_bytes"] == 4 << 20
     assert result["best_seconds"] == pytest.approx(0.002)
     assert result["gbps"] == pytest.approx(2 * (4 << 20) / 0.002 / 1e9)
+
+
+def test_load_scale_bench(tmp_path) -> None:
+    import json
+
+    from waste.analysis.budget import load_scale_bench
+    from waste.errors import WasteError
+
+    run = {"store": "streaming", "cache_budget": 5, "decode_hit_rate_steady": 0.5, "decode_tps_steady": 2.5,
+           "prefill_tps": 30.0, "peak_rss": 9, "memory_plan": {"available": 20, "planned_peak": 10},
+           "prediction": {"decode_bound_tps_uniform": 4.0, "decode_bound_tps_measured_hit": 3.5}}
+    path = tmp_path / "scale.json"
+    path.write_text(json.dumps({"runs": [run]}))
+    (point,) = load_scale_bench(path)
+    assert point["ram"] == 20 and point["decode_tps"] == 2.5 and point["bound_tps"] == 3.5
+    path.write_text(json.dumps({"runs": [{"store": "mmap"}]}))
+    with pytest.raises(WasteError, match="not a bench/scale.py result"):
+        load_scale_bench(path)
+    with pytest.raises(WasteError, match="no such bench result"):
+        load_scale_bench(tmp_path / "absent.json")

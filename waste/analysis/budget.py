@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -195,3 +196,29 @@ def budget_summary(plan: Plan, bound: DecodeBound) -> str:
         f"({bound.serial_tokens_per_second:.2f} tok/s one after the other), limited by {bound.limited_by}",
     ]
     return "\n".join(lines)
+
+
+def load_scale_bench(path: str | Path) -> list[dict[str, float | str | None]]:
+    """The measured points of a `bench/scale.py` result (bench/results/scale-*.json), one per store:
+    {store, ram (the RAM the run planned for, bytes), cache_budget, hit_rate, decode_tps,
+    prefill_tps, peak_rss, planned_peak_rss, bound_tps} for placing on a budget plot."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+        runs = data["runs"]
+        points = []
+        for r in runs:
+            mp, pred = r["memory_plan"], r.get("prediction", {})
+            points.append({
+                "store": r["store"], "ram": mp["available"], "cache_budget": r["cache_budget"],
+                "hit_rate": r["decode_hit_rate_steady"], "decode_tps": r["decode_tps_steady"],
+                "prefill_tps": r["prefill_tps"], "peak_rss": r["peak_rss"],
+                "planned_peak_rss": mp["planned_peak"],
+                "bound_tps": pred.get("decode_bound_tps_measured_hit", pred.get("decode_bound_tps_uniform")),
+            })
+    except FileNotFoundError:
+        raise WasteError(f"{path}: no such bench result (run `make bench-scale`)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise WasteError(f"{path}: not a bench/scale.py result ({e})") from None
+    return points
