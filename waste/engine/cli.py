@@ -103,7 +103,10 @@ def cmd_run(args: Any) -> int:
         memory = plan_run_memory(container, len(prompt) + args.max_new, chunk=args.prefill_chunk,
                                  pass_tokens=PREFILL_PASS_TOKENS, all_logits=bool(args.logits_out))
         budget = None if memory.experts_fit else memory.cache_budget
-        print(memory.describe(), file=sys.stderr)  # stdout may carry the generated text
+        if not memory.experts_fit:
+            # The one line saying why the run streams (stdout may carry the generated text);
+            # when every expert fits, the memory-mapped store needs no word.
+            print(memory.describe(), file=sys.stderr)
     store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.direct_io)
     model = Model(container, store=store, router_weights=args.router_weights)
     if args.session_in:
