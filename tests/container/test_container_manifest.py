@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from waste.container.format import ContainerError, Manifest, parse_manifest
+from waste.container.format import ContainerError
+from waste.container.manifest import Manifest, parse_manifest
 from waste.testing import tiny_container
 
 JSON = st.recursive(

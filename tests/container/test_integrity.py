@@ -12,7 +12,8 @@ import pytest
 
 from waste.cli import main
 from waste.container import open_container
-from waste.container.format import CHECKSUM_KEY, crc32c, manifest_checksum
+from waste.container.format import crc32c
+from waste.container.manifest import CHECKSUM_KEY, manifest_checksum
 
 
 @pytest.fixture

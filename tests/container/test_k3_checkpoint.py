@@ -292,7 +292,7 @@ def test_expert_storage_in_the_manifest(mxfp4_pair: tuple[Path, Path], tmp_path:
     import shutil
 
     from waste.container import ContainerError
-    from waste.container.format import CHECKSUM_KEY, manifest_checksum
+    from waste.container.manifest import CHECKSUM_KEY, manifest_checksum
     from waste.testing import tiny_container
 
     _, path = mxfp4_pair

@@ -31,13 +31,12 @@ from waste.container.format import (
     MANIFEST,
     TRUNK,
     ContainerError,
-    Manifest,
     TensorEntry,
     crc32c,
     expert_name,
-    parse_manifest,
     tensor_class,
 )
+from waste.container.manifest import Manifest, parse_manifest
 from waste.kernels.quant import QMatrix, from_buffers
 
 _MAX_MANIFEST = 1 << 30  # bytes; a manifest is a few MB even for K3

@@ -28,10 +28,10 @@ from waste.container.format import (
     align,
     crc32c,
     expert_storage,
-    manifest_json,
     plan_experts,
     plan_trunk,
 )
+from waste.container.manifest import manifest_json
 from waste.errors import WasteError
 from waste.fileio import install_dir, recover_stale, remove_tree, temp_dir_for
 from waste.kernels.quant import QMatrix, quantize
