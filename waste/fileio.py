@@ -44,19 +44,33 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
         raise
 
 
+class NotRegularFile(OSError):
+    """A FIFO, device or directory where a regular file was expected."""
+
+
+def open_regular(path: str | Path, flags: int = os.O_RDONLY, *, dir_fd: int | None = None) -> int:
+    """A descriptor of a regular file. O_NONBLOCK: a FIFO planted in its place must not block the
+    open. Raises what os.open raises, or NotRegularFile."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(f"{path}: not a regular file")
+    return fd
+
+
 def read_bounded(path: str | Path, limit: int, what: str) -> bytes:
     """The bytes of a regular file of at most `limit` bytes; FIFOs, devices and larger files are refused
     (a FIFO or /dev/zero would otherwise block or read without end)."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_regular(path)
+    except NotRegularFile:
+        raise WasteError(f"{what} {path}: not a regular file") from None
     except OSError as e:
         raise WasteError(f"{what} {path}: {e.strerror}") from None
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+    if st.st_size > limit:
         os.close(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise WasteError(f"{what} {path}: not a regular file")
         raise WasteError(f"{what} {path}: {st.st_size} bytes, more than the {limit} this reads")
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)

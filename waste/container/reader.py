@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -37,6 +36,7 @@ from waste.container.format import (
     tensor_class,
 )
 from waste.container.manifest import Manifest, parse_manifest
+from waste.fileio import NotRegularFile, open_regular
 from waste.kernels.quant import QMatrix, from_buffers
 
 _MAX_MANIFEST = 1 << 30  # bytes; a manifest is a few MB even for K3
@@ -83,16 +83,13 @@ class Container:
         (the same generation as the manifest); refuses anything but a regular file."""
         where = self.path / name
         try:
-            # O_NONBLOCK: a FIFO planted in place of a file must not block the open.
-            fd = os.open(name, flags | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.dir_fd)
+            return open_regular(name, flags, dir_fd=self.dir_fd)
         except FileNotFoundError:
             raise ContainerError(f"{where}: missing") from None
+        except NotRegularFile:
+            raise ContainerError(f"{where}: not a regular file") from None
         except OSError as e:
             raise ContainerError(f"{where}: cannot open ({e.strerror})") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise ContainerError(f"{where}: not a regular file")
-        return fd
 
     def _read_manifest(self) -> bytes:
         where = self.path / MANIFEST

@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from waste.errors import WasteError
-from waste.fileio import write_atomic
+from waste.fileio import NotRegularFile, open_regular, write_atomic
 
 SESSION_MAGIC = "WASTE-SESSION"
 SESSION_VERSION = 1
@@ -98,15 +97,13 @@ class Session:
 def _open_regular(path: Path) -> Any:
     """The file opened for reading, refusing FIFOs and devices (np.load would block or read forever)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return os.fdopen(open_regular(path), "rb")
     except FileNotFoundError:
         raise WasteError(f"session file {path}: no such file") from None
+    except NotRegularFile:
+        raise WasteError(f"session file {path}: not a regular file") from None
     except OSError as e:
         raise WasteError(f"session file {path}: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise WasteError(f"session file {path}: not a regular file")
-    return os.fdopen(fd, "rb")
 
 
 def is_session_file(path: str | Path) -> bool:
