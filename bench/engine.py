@@ -37,6 +37,7 @@ import numpy as np
 from waste.analysis.budget import copy_bandwidth
 from waste.container import open_container
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, LayerTimes, Model
+from waste.qformat import SCHEMES
 
 KINDS = ("embed", "kda", "mla", "dense", "moe", "attn_res", "lm_head")
 
@@ -177,7 +178,7 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=32, help="tokens to decode")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per scheme (best is reported)")
-    parser.add_argument("--schemes", nargs="+", default=["q8", "q4"], choices=["f32", "bf16", "q8", "q4"])
+    parser.add_argument("--schemes", nargs="+", default=["q8", "q4"], choices=SCHEMES)
     parser.add_argument("--threads", type=int, nargs="+", default=[numba.config.NUMBA_NUM_THREADS],
                         help="Numba thread counts to run each scheme with (default: all)")
     parser.add_argument("--quick", action="store_true", help="64-token prompt, 8 new tokens, one round")

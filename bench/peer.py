@@ -59,7 +59,7 @@ FORMATS: list[tuple[str, str, tuple[str, list[str] | str]]] = [
     ("Q8_0 vs q8", "q8", ("quantize", ["Q8_0"])),
     ("Q8_0 trunk + Q4_0 experts vs q4", "q4",
      ("quantize", [a for t in EXPERT_TENSORS for a in ("--tensor-type", f"{t}=q4_0")] + ["Q8_0"])),
-    ("all Q4_0 (llama.cpp's default recipe) vs q4", "q4", ("quantize", ["Q4_0"])),
+    ("all Q4_0 (llama.cpp's default recipe) vs q4all", "q4all", ("quantize", ["Q4_0"])),
 ]
 
 

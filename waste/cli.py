@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from waste.errors import CheckFailed, WasteError
+from waste.qformat import EXPERT_CHOICES, SCHEMES
 
 # subcommand -> "module:function" taking the parsed args and returning an exit code
 HANDLERS = {
@@ -90,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--context", default="4K", help="context length in tokens: 4096, 4K, 128K, 1M (default 4K)")
     s.add_argument("--ram", help="RAM budget, e.g. 24G: shows the room left for the expert cache")
     s.add_argument("--state-dtype", choices=("f32", "bf16"), default="f32", help="dtype of KDA state and MLA cache")
-    s.add_argument("--quant", choices=("bf16", "f32", "q8", "q4"), default=None,
+    s.add_argument("--quant", choices=SCHEMES, default=None,
                    help="weight scheme to size (default: the container's, else q4)")
-    s.add_argument("--experts", choices=("f32", "q8", "q4", "mxfp4"), default=None,
+    s.add_argument("--experts", choices=tuple(EXPERT_CHOICES), default=None,
                    help="routed expert storage to size (default: MXFP4 when the checkpoint's experts are, else "
                         "the scheme's)")
     s.add_argument("--sweep", action="store_true", help="context-dependent lines from 1K to the model's maximum")
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("synth", help="write a random Hugging Face style checkpoint (or, with --quant, a container)")
     s.add_argument("preset", help="preset name or path to a config.json")
     s.add_argument("out_dir", help="checkpoint directory, or NAME.waste with --quant")
-    s.add_argument("--quant", choices=("f32", "q8", "q4"), default=None,
+    s.add_argument("--quant", choices=tuple(x for x in SCHEMES if x != "bf16"), default=None,
                    help="write a container in this scheme directly (no checkpoint; float32 values)")
     s.add_argument("--quiet", action="store_true", help="no progress bar (with --quant)")
     s.add_argument("--seed", type=SEED, default=0)
@@ -116,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("convert", help="convert a Hugging Face checkpoint into a NAME.waste container")
     s.add_argument("hf_dir")
     s.add_argument("out")
-    s.add_argument("--quant", choices=("f32", "bf16", "q8", "q4"), default="q8")
-    s.add_argument("--experts", choices=("f32", "bf16", "q8", "q4", "mxfp4"), default=None,
+    s.add_argument("--quant", choices=SCHEMES, default="q8",
+                   help="q4all: the trunk in q4g too, except embedding, lm_head and routers (q8g)")
+    s.add_argument("--experts", choices=tuple(EXPERT_CHOICES), default=None,
                    help="routed expert storage (default: MXFP4 experts stay MXFP4 byte for byte, others follow "
                         "--quant); any other choice dequantises and stores again")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")

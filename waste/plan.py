@@ -18,11 +18,10 @@ import numpy as np
 
 from waste.config import PRESETS, ModelConfig, load_config_file, load_preset
 from waste.errors import WasteError
-from waste.qformat import buffer_layout
+from waste.qformat import SCHEMES, buffer_layout
 from waste.units import human_bytes, human_count, parse_count, parse_size
 
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2}
-SCHEMES = ("bf16", "f32", "q8", "q4")
 DEFAULT_SCHEME = "q4"
 # RAM sizes `waste plan` prices the expert cache at when no --ram is given: a 24 GiB laptop and a
 # 512 GiB server.

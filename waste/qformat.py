@@ -12,6 +12,10 @@ import numpy as np
 from waste.errors import WasteError
 
 FORMATS = ("f32", "bf16", "q8g", "q4g", "mxfp4")
+# Container schemes (waste.container.format.storage_of says what each stores where) and the
+# routed-expert storage `--experts` asks for.
+SCHEMES = ("f32", "bf16", "q8", "q4", "q4all")
+EXPERT_CHOICES = {"f32": "f32", "bf16": "bf16", "q8": "q8g", "q4": "q4g", "mxfp4": "mxfp4"}
 
 GROUP = 32  # weights (and activations) sharing one scale, along K
 ROWS = 16  # output rows interleaved in one block: 16 int32 lanes of a 512-bit vector

@@ -94,7 +94,7 @@ def synthesize_container(cfg_or_preset: ModelConfig | dict[str, Any] | str | Pat
 
 
 def cmd_synth_container(args: argparse.Namespace) -> int:
-    """`waste synth PRESET OUT.waste --quant f32|q8|q4 [--seed S] [--force] [--quiet]`."""
+    """`waste synth PRESET OUT.waste --quant f32|q8|q4|q4all [--seed S] [--force] [--quiet]`."""
     from waste.container.reader import open_container
 
     if args.dtype != "bf16" or getattr(args, "shard_size", None) not in (None, "512M"):

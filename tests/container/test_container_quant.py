@@ -1,4 +1,4 @@
-"""q8 / q4 containers: the stored buffers are quantize()'s, dequantised within the formats' error;
+"""q8 / q4 / q4all containers: the stored buffers are quantize()'s, dequantised within the formats' error;
 bf16 containers: a bf16 checkpoint's bits, unchanged."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from waste.container import open_container
-from waste.container.format import EXPERT_PARTS, expected_expert_tensors, expert_name, is_matrix
+from waste.container.format import EXPERT_PARTS, Q4ALL_KEEP_Q8, expected_expert_tensors, expert_name, is_matrix
 from waste.kernels import quant as qk
 from waste.qformat import GROUP, QMAX
 from waste.testing import load_checkpoint, tiny_checkpoint, tiny_container
@@ -24,12 +24,12 @@ def within_format_error(got: np.ndarray, ref: np.ndarray, fmt: str) -> None:
     assert np.all(err <= (0.5 if fmt == "q8g" else 1.0) * step)
 
 
-@pytest.mark.parametrize("scheme", ["q8", "q4"])
+@pytest.mark.parametrize("scheme", ["q8", "q4", "q4all"])
 @pytest.mark.parametrize("overrides", [None, {"q_lora_rank": 16, "linear_attn_config": {"use_full_rank_gate": True}}])
 def test_quantised_round_trip(tmp_path_factory: pytest.TempPathFactory, scheme: str, overrides: dict | None) -> None:
     out = tiny_container(tmp_path_factory, quant=scheme, dtype="bf16", overrides=overrides)
     source = load_checkpoint(tiny_checkpoint(out))
-    expert_fmt = "q4g" if scheme == "q4" else "q8g"
+    expert_fmt = "q8g" if scheme == "q8" else "q4g"
     with open_container(out) as c:
         c.verify()
         assert c.scheme == scheme
@@ -40,11 +40,13 @@ def test_quantised_round_trip(tmp_path_factory: pytest.TempPathFactory, scheme: 
                 assert np.array_equal(c.tensor(name), ref), name  # arrays and the router stay exact
                 continue
             m = c.matrix(name)
-            assert m.fmt == "q8g" and m.shape == ref.shape, name
-            want = qk.quantize(ref, "q8g").buffers
+            # q4all: every trunk matrix in 4 bits but the embedding and lm_head
+            fmt = "q4g" if scheme == "q4all" and name not in Q4ALL_KEEP_Q8 else "q8g"
+            assert m.fmt == fmt and m.shape == ref.shape, name
+            want = qk.quantize(ref, fmt).buffers
             for b, view in m.buffers.items():
                 assert np.array_equal(view, want[b]), (name, b)
-            within_format_error(m.dequantize(), ref, "q8g")
+            within_format_error(m.dequantize(), ref, fmt)
         cfg = c.config
         for layer in cfg.moe_layers:
             for e in range(cfg.num_experts):
@@ -60,9 +62,16 @@ def test_quantised_round_trip(tmp_path_factory: pytest.TempPathFactory, scheme: 
 
 def test_q4_is_smaller_than_q8_where_it_should_be(tmp_path_factory: pytest.TempPathFactory) -> None:
     with open_container(tiny_container(tmp_path_factory, quant="q8")) as q8, \
-            open_container(tiny_container(tmp_path_factory, quant="q4")) as q4:
+            open_container(tiny_container(tmp_path_factory, quant="q4")) as q4, \
+            open_container(tiny_container(tmp_path_factory, quant="q4all")) as q4all:
         assert q8.byte_counts()["per_class"] == q4.byte_counts()["per_class"]
         assert q4.byte_counts()["expert_data_bytes"] < 0.6 * q8.byte_counts()["expert_data_bytes"]
+        assert q4all.byte_counts()["expert_data_bytes"] == q4.byte_counts()["expert_data_bytes"]
+        q4_class, q4all_class = q4.byte_counts()["per_class"], q4all.byte_counts()["per_class"]
+        for cls in ("embedding", "lm_head", "router", "norms"):
+            assert q4all_class[cls] == q4_class[cls], cls
+        for cls in ("kda", "mla", "dense_ffn", "shared_experts"):
+            assert q4all_class[cls] < 0.6 * q4_class[cls], cls
 
 
 def test_bf16_container_keeps_a_bf16_checkpoint_bit_for_bit(tmp_path_factory: pytest.TempPathFactory) -> None:

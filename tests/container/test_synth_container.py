@@ -24,7 +24,7 @@ def _manifest_without_source(path: Path) -> dict:
     return m
 
 
-@pytest.mark.parametrize("quant", ["f32", "q8", "q4"])
+@pytest.mark.parametrize("quant", ["f32", "q8", "q4", "q4all"])
 def test_same_bytes_as_synth_then_convert(tmp_path: Path, quant: str) -> None:
     cfg = tiny_config(q_lora_rank=16)
     hf = synthesize(cfg, tmp_path / "hf", seed=3, dtype="f32")

@@ -113,12 +113,13 @@ def test_run_missing_container_exits_2(tmp_path, capsys):
     assert "absent.waste" in capsys.readouterr().err
 
 
-def test_quantised_check_follows_the_engine_routing(tmp_path):
-    path = tiny_container(tmp_path / "q4", quant="q4")
+@pytest.mark.parametrize("scheme", ["q4", "q4all"])
+def test_quantised_check_follows_the_engine_routing(tmp_path, scheme):
+    path = tiny_container(tmp_path / scheme, quant=scheme)
     with open_container(path) as c:
         report = check_against_oracle(c, _prompt(40, c.config.vocab_size, seed=4), 4)
     assert report.routing_forced and report.passed, report.format()
-    assert report.tolerance == scheme_tolerance("q4", c.config.num_layers)
+    assert report.tolerance == scheme_tolerance(scheme, c.config.num_layers)
     assert report.greedy_clear > 0, report.format()  # the margin rule leaves positions to judge
     assert 0.9 < report.routing_agreement <= 1.0
     # Errors grow smoothly through the layers once no routing flip can jump them.

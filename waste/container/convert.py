@@ -274,7 +274,8 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: 
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """`waste convert HF_DIR OUT.waste --quant f32|bf16|q8|q4 [--experts f32|bf16|q8|q4|mxfp4] [--force] [--quiet]`."""
+    """`waste convert HF_DIR OUT.waste --quant f32|bf16|q8|q4|q4all [--experts f32|bf16|q8|q4|mxfp4] [--force]
+    [--quiet]`."""
     from waste.container.reader import open_container
 
     out = convert(args.hf_dir, args.out, quant=args.quant, experts=args.experts, force=args.force,

@@ -27,12 +27,15 @@ import numpy as np
 
 from waste.config import MXFP4_GROUP, ModelConfig
 from waste.errors import WasteError
-from waste.qformat import GROUP, buffer_layout
+from waste.qformat import EXPERT_CHOICES, GROUP, SCHEMES, buffer_layout
 
 MAGIC = "WASTE-CONTAINER"
 # 2: CRC32C instead of zlib's CRC32, and a SHA-256 of the manifest's own content (`checksum`).
 FORMAT_VERSION = 2
-SCHEMES = ("f32", "bf16", "q8", "q4")
+# q4all: the trunk in 4 bits too (llama.cpp's all-Q4_0 recipe, for a like-for-like comparison and
+# the smallest model), except the embedding and lm_head, which stay q8g as llama.cpp keeps its
+# output matrix at 6 bits (routers stay float32 in every scheme).
+Q4ALL_KEEP_Q8 = ("model.embed_tokens.weight", "lm_head.weight")
 MANIFEST = "manifest.json"
 TRUNK = "trunk.bin"
 EXPERTS = "experts.bin"
@@ -42,7 +45,7 @@ EXPERT_PARTS = ("w1", "w3", "w2")  # gate, up, down: the order inside a blob
 ROUTER_SUFFIX = "block_sparse_moe.gate.weight"
 # Storage of the routed experts: the scheme's own (f32, q8g, q4g) or MXFP4 kept verbatim.
 EXPERT_STORAGES = ("f32", "bf16", "q8g", "q4g", "mxfp4")
-SCHEME_EXPERT_STORAGE = {"f32": "f32", "bf16": "bf16", "q8": "q8g", "q4": "q4g"}
+SCHEME_EXPERT_STORAGE = {"f32": "f32", "bf16": "bf16", "q8": "q8g", "q4": "q4g", "q4all": "q4g"}
 # Group length along K of the grouped formats (docs/QUANT.md), recorded in the tensor table.
 GROUP_SIZE = {"f32": None, "bf16": None, "q8g": GROUP, "q4g": GROUP, "mxfp4": MXFP4_GROUP}
 # AttnRes vectors [1, D]: 2-D `.weight` tensors that stay float32 arrays, not matrices.
@@ -71,15 +74,14 @@ Shape = tuple[int, ...]
 
 def expert_storage(cfg: ModelConfig, scheme: str, experts: str | None = None) -> str:
     """Storage of the routed experts: `experts` (f32, q8, q4 or mxfp4) when asked, else MXFP4 experts
-    stay MXFP4 and others follow the scheme (f32, q8 -> q8g, q4 -> q4g)."""
+    stay MXFP4 and others follow the scheme (f32, q8 -> q8g, q4 and q4all -> q4g)."""
     if scheme not in SCHEMES:
         raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
     if experts is None:
         return "mxfp4" if cfg.expert_quant == "mxfp4" else SCHEME_EXPERT_STORAGE[scheme]
-    choices = {**SCHEME_EXPERT_STORAGE, "mxfp4": "mxfp4"}
-    if experts not in choices:
-        raise WasteError(f"unknown expert storage {experts!r}; expected one of {', '.join(choices)}")
-    return choices[experts]
+    if experts not in EXPERT_CHOICES:
+        raise WasteError(f"unknown expert storage {experts!r}; expected one of {', '.join(EXPERT_CHOICES)}")
+    return EXPERT_CHOICES[experts]
 
 
 def a_log_shape(cfg: ModelConfig) -> Shape:
@@ -225,7 +227,7 @@ def is_matrix(name: str, shape: Shape) -> bool:
 
 
 def storage_of(name: str, shape: Shape, scheme: str) -> tuple[str, str]:
-    """(kind, storage) of a trunk tensor under a scheme: kind "matrix" | "array", storage f32 | bf16 | q8g.
+    """(kind, storage) of a trunk tensor under a scheme: kind "matrix" | "array", storage f32 | bf16 | q8g | q4g.
 
     Routed experts are stored as `expert_storage` says. `bf16` keeps every matrix as bfloat16:
     lossless from a bf16 checkpoint."""
@@ -235,6 +237,8 @@ def storage_of(name: str, shape: Shape, scheme: str) -> tuple[str, str]:
         return "array", "f32"
     if scheme in ("f32", "bf16"):
         return "matrix", scheme
+    if scheme == "q4all" and name not in Q4ALL_KEEP_Q8:
+        return "matrix", "q4g"
     return "matrix", "q8g"
 
 

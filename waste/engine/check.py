@@ -34,7 +34,7 @@ INT8_ACTIVATION_REL_ERROR = 2.5 / (127 * 12**0.5)  # 5.7e-3
 PRODUCTS_PER_LAYER = 4  # in series along the residual: attention in and out, FFN in and out
 # bf16 activations: round to nearest with an 8-bit significand, at most 2**-9 relative per value.
 BF16_ACTIVATION_REL_ERROR = 2.0**-9  # 2.0e-3
-FORCE_ROUTING = {"f32": False, "bf16": True, "q8": True, "q4": True}
+FORCE_ROUTING = {"f32": False, "bf16": True, "q8": True, "q4": True, "q4all": True}
 # Routed experts stored in a quantised format while the trunk is f32 (K3's MXFP4 experts kept as
 # stored, or `convert --experts q8|q4`): the expert products round activations to int8, two in
 # series per MoE layer (the experts' input for gate and up at once, then the down projection's).
@@ -66,7 +66,7 @@ def scheme_tolerance(scheme: str, num_layers: int) -> float:
     """
     if scheme == "f32":
         return 1e-5
-    if scheme in ("q8", "q4"):
+    if scheme in ("q8", "q4", "q4all"):
         return INT8_ACTIVATION_REL_ERROR * (PRODUCTS_PER_LAYER * num_layers) ** 0.5
     if scheme == "bf16":
         return BF16_ACTIVATION_REL_ERROR * (PRODUCTS_PER_LAYER * num_layers) ** 0.5
