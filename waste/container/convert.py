@@ -43,7 +43,6 @@ from waste.container.format import (
 from waste.container.writer import ContainerWriter
 from waste.errors import WasteError
 from waste.fileio import recover_stale
-from waste.kernels.quant import from_buffers
 from waste.tokenizer import CONTAINER_DIR as TOKENIZER_DIR
 from waste.tokenizer import file_record, tokenizer_file_bytes
 from waste.units import human_bytes
@@ -218,6 +217,8 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: 
     `experts` (f32, q8, q4, mxfp4) overrides how routed experts are stored; by default MXFP4
     experts stay MXFP4 byte for byte and others follow `quant`."""
     from tqdm import tqdm
+
+    from waste.kernels.quant import from_buffers  # not at import: see waste/container/reader.py
 
     hf_dir, out = Path(hf_dir), Path(out)
     if quant not in SCHEMES:

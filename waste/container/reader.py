@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,7 +37,11 @@ from waste.container.format import (
 )
 from waste.container.manifest import Manifest, parse_manifest
 from waste.fileio import NotRegularFile, open_regular
-from waste.kernels.quant import QMatrix, from_buffers
+
+# The product kernels (Numba) are imported by the first matrix asked for, not with the reader:
+# `waste info`, `waste verify` and the planner read containers without loading them.
+if TYPE_CHECKING:
+    from waste.kernels.quant import QMatrix
 
 _MAX_MANIFEST = 1 << 30  # bytes; a manifest is a few MB even for K3
 _DAMAGED = "the container is damaged (`waste verify` lists every problem; --no-verify skips this check)"
@@ -215,9 +219,13 @@ class Container:
         e = self.entry(name)
         if len(e.shape) != 2:
             raise ContainerError(f"{self.path}: tensor {name!r} has shape {list(e.shape)}, not a matrix")
+        from waste.kernels.quant import from_buffers
+
         return from_buffers(e.storage, (e.shape[0], e.shape[1]), self._views(self._trunk, e, e.offset))
 
     def _decode(self, base: np.ndarray, start: int) -> tuple[QMatrix, QMatrix, QMatrix]:
+        from waste.kernels.quant import from_buffers
+
         parts = {}
         for p in self._manifest.experts.parts:
             parts[p.name] = from_buffers(p.storage, (p.shape[0], p.shape[1]), self._views(base, p, start + p.offset))

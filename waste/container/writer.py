@@ -12,7 +12,7 @@ import dataclasses
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,8 +34,12 @@ from waste.container.format import (
 from waste.container.manifest import manifest_json
 from waste.errors import WasteError
 from waste.fileio import install_dir, recover_stale, remove_tree, temp_dir_for
-from waste.kernels.quant import QMatrix, quantize
 from waste.tokenizer import write_files
+
+# The quantiser and QMatrix (Numba kernels) are imported when a tensor is encoded, so that
+# importing waste.container does not load Numba (see reader.py).
+if TYPE_CHECKING:
+    from waste.kernels.quant import QMatrix
 
 
 def _encode(entry: TensorEntry, value: np.ndarray | QMatrix) -> list[tuple[int, np.ndarray]]:
@@ -43,6 +47,8 @@ def _encode(entry: TensorEntry, value: np.ndarray | QMatrix) -> list[tuple[int, 
 
     A QMatrix already in the entry's storage is written verbatim (MXFP4 experts); one in another
     format is dequantised and stored again (only when convert is asked to)."""
+    from waste.kernels.quant import QMatrix, quantize
+
     if isinstance(value, QMatrix) and value.fmt == entry.storage:
         if value.shape != entry.shape:
             raise WasteError(f"tensor {entry.name!r}: shape {list(value.shape)}, planned {list(entry.shape)}")
