@@ -197,23 +197,25 @@ def main() -> int:
     info = common.machine_info()
     print(f"{info['cpu']}, {info['cores']} cores, Numba {info['numba']} ({info['numba_threads']} threads), "
           f"load average {info['load_average']}")
-    copy_start = copy_bandwidth()
-    print(f"copy bandwidth {copy_start['gbps']:.1f} GB/s (bytes read + written, "
-          f"{copy_start['buffer_bytes'] >> 20} MiB buffer)")
+    # The bandwidth bound of a run on t threads is a copy on t threads (one core may not reach what two do).
+    copy_start = {t: copy_bandwidth(threads=t) for t in args.threads}
+    print("copy bandwidth " + ", ".join(f"{c['gbps']:.1f} GB/s on {t} thread(s)" for t, c in copy_start.items())
+          + f" (bytes read + written, {copy_start[args.threads[0]]['buffer_bytes'] >> 20} MiB buffer)")
     print(f"{args.preset}: prompt {args.prompt_len} tokens in chunks of {args.prefill_chunk}, {args.new} decoded, "
           f"best of {args.rounds} rounds")
     results = []
     for quant in args.schemes:
         for threads in args.threads:
             r = bench_scheme(quant, threads, args)
-            r["fraction_of_copy_bandwidth"] = r["decode_weight_gbps"] / copy_start["gbps"]
+            r["fraction_of_copy_bandwidth"] = r["decode_weight_gbps"] / copy_start[threads]["gbps"]
             print_scheme(r)
             results.append(r)
-    copy_end = copy_bandwidth()
-    copy_gbps = max(copy_start["gbps"], copy_end["gbps"])
+    copy_end = {t: copy_bandwidth(threads=t) for t in args.threads}
+    copy_gbps = {t: max(copy_start[t]["gbps"], copy_end[t]["gbps"]) for t in args.threads}
     for r in results:
-        r["fraction_of_copy_bandwidth"] = r["decode_weight_gbps"] / copy_gbps
-    print(f"\ncopy bandwidth at the end {copy_end['gbps']:.1f} GB/s; the summary uses the better, {copy_gbps:.1f} GB/s")
+        r["fraction_of_copy_bandwidth"] = r["decode_weight_gbps"] / copy_gbps[r["threads"]]
+    ends = ", ".join(f"{c['gbps']:.1f} GB/s on {t} thread(s)" for t, c in copy_end.items())
+    print(f"\ncopy bandwidth at the end {ends}; the summary uses the better of start and end at each thread count")
     summary = [[r["scheme"], r["threads"], r["prefill_tps"], r["decode_tps"], r["decode_step_ms"]["min"],
                 r["weight_bytes_per_token"] / 1e6, r["decode_weight_gbps"], 100 * r["fraction_of_copy_bandwidth"]]
                for r in results]

@@ -20,6 +20,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 from common import RESULTS_DIR, at_threads, best_seconds, format_table, machine_info, thread_counts, write_json
 
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "mla.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    copy = copy_bandwidth()
+    copy = copy_bandwidth(threads=numba.config.NUMBA_NUM_THREADS)  # decode runs on all of them
     decode = bench_decode(rng, args.rounds, copy["gbps"])
     prefill = bench_prefill(rng, args.context, args.rounds)
     print(format_table(["prefill H=32 R=512", "threads", "s", "GMAC/s", "BLAS s", "BLAS GMAC/s", "of BLAS"],

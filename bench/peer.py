@@ -246,8 +246,8 @@ def main() -> int:
               f"llama-cpp-python {PEER_VERSION} (vendored llama.cpp), CPU only, GGML_NATIVE, built WITHOUT AMX "
               f"({NO_AMX}); load average before {load_before}")
     print(header)
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth['gbps']:.1f} GB/s")
+    bandwidth = copy_bandwidth(threads=args.threads)
+    print(f"copy bandwidth {bandwidth['gbps']:.1f} GB/s on {args.threads} threads")
 
     check = agreement(python, source, bin_dir, models["f32"], containers["f32"], args)
     print(f"f32 agreement: greedy {check['greedy_agree']}/{check['generated']} tokens, logits max |diff| "

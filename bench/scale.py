@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import numba
 import numpy as np
 
 from waste.analysis.budget import copy_bandwidth, decode_speed_bound
@@ -189,7 +190,7 @@ def main() -> int:
     with open_container(path) as c:
         counts = c.byte_counts()
         seq = common.sequential_read(c.experts_path, direct=True, limit=4 << 30)
-    mem = copy_bandwidth()
+    mem = copy_bandwidth(threads=numba.config.NUMBA_NUM_THREADS)
     print(f"{path}: trunk {counts['trunk_bytes'] / 1e9:.2f} GB, experts {counts['expert_bytes'] / 1e9:.2f} GB"
           f"{'' if synth_s is None else f', synthesised in {synth_s:.0f} s'}; experts.bin read "
           f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}), RAM copy {mem['gbps']:.1f} GB/s")

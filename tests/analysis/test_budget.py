@@ -139,6 +139,14 @@ def test_copy_bandwidth_is_measured(monkeypatch) -> None:
     assert result["gbps"] == pytest.approx(2 * (4 << 20) / 0.002 / 1e9)
 
 
+def test_copy_bandwidth_on_threads() -> None:
+    """A copy on several threads (uneven slices) runs and says on how many; zero threads is refused."""
+    result = copy_bandwidth((4 << 20) + 12, rounds=1, threads=3)
+    assert result["threads"] == 3 and result["gbps"] > 0
+    with pytest.raises(WasteError):
+        copy_bandwidth(4 << 20, threads=0)
+
+
 def test_load_scale_bench(tmp_path) -> None:
     import json
 
