@@ -1,7 +1,9 @@
-"""The whole engine on the `mini` preset (issue #6; `--preset k3-mini` for K3): prefill and decode
-tokens per second in `q8` and `q4`, time per layer kind, weight bytes read per decoded token, and
-those bytes over the decode time against the machine's copy bandwidth measured in the same run.
-A K3 preset's routed experts stay MXFP4 (as its checkpoint ships them) whatever the trunk scheme.
+"""The whole engine on `mini` (Kimi-Linear) and `k3-mini` (K3): prefill and decode tokens per
+second, time per layer kind, weight bytes read per decoded token, and those bytes over the decode
+time against the machine's copy bandwidth measured in the same run. `mini` runs in `--schemes`
+(q8 and q4), `k3-mini` in `--k3-schemes` (q8: K3's default conversion, a q8 trunk with the routed
+experts kept MXFP4 as its checkpoint ships them), every row at the same `--threads`, one after
+the other in the same run, so the K3 row reads beside the Kimi-Linear one.
 
 The preset's checkpoint is synthesised once into bench/.cache/ and converted to each scheme
 (reused on later runs). Per scheme: a warm-up (compiles kernels, faults the weights in), then
@@ -17,9 +19,10 @@ Weight bytes per decoded token count what one token's forward reads: every trunk
 float32 copies of kv_b the MLA layers keep in place of the stored matrix, and top-k routed
 experts per MoE layer (their data bytes, without the blob padding). Recurrent state and the
 MLA cache are counted apart (`state_bytes_per_token`). Prints tables, writes
-bench/results/engine.json. Asserts nothing.
+bench/results/engine.json (each run names its preset). Asserts nothing.
 
-    python bench/engine.py [--preset mini] [--prompt-len 256] [--new 32] [--prefill-chunk 32] [--rounds 3] [--quick]
+    python bench/engine.py [--presets mini k3-mini] [--schemes q8 q4] [--k3-schemes q8] [--prompt-len 256]
+                           [--new 32] [--prefill-chunk 32] [--rounds 3] [--threads N ..] [--quick]
 """
 
 from __future__ import annotations
@@ -101,10 +104,10 @@ def run_round(model: Model, prompt: np.ndarray, new: int, chunk: int) -> dict[st
             "decode_steps": steps, "decode_kinds": dict(model.times.seconds)}
 
 
-def bench_scheme(quant: str, threads: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Warm-up and timed rounds of one scheme with Numba's parallel loops on `threads` threads."""
+def bench_scheme(preset: str, quant: str, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Warm-up and timed rounds of one preset and scheme with Numba's parallel loops on `threads` threads."""
     numba.set_num_threads(threads)
-    path = common.mini_container(quant, args.cache_dir, preset=args.preset)
+    path = common.mini_container(quant, args.cache_dir, preset=preset)
     rng = np.random.default_rng(0)
     with open_container(path) as c:
         model = Model(c)
@@ -135,7 +138,8 @@ def bench_scheme(quant: str, threads: int, args: argparse.Namespace) -> dict[str
     glue_d = best_d["decode_s"] - sum(best_d["decode_kinds"].values())
     steps = np.array([s for r in rounds for s in r["decode_steps"]])
     return {
-        "scheme": quant, "threads": threads, "container": str(path), "trunk_bytes": counts["trunk_bytes"],
+        "preset": preset, "scheme": quant, "expert_storage": counts["expert_storage"], "threads": threads,
+        "container": str(path), "trunk_bytes": counts["trunk_bytes"],
         "expert_bytes": counts["expert_bytes"], "expert_blob_bytes": counts["expert_blob_bytes"],
         "expert_data_bytes": counts["expert_data_bytes"], "warmup_s": warmup_s,
         "prefill_tps": args.prompt_len / best_p["prefill_s"],
@@ -155,7 +159,8 @@ def bench_scheme(quant: str, threads: int, args: argparse.Namespace) -> dict[str
 
 def print_scheme(r: dict[str, Any]) -> None:
     steps = r["decode_step_ms"]
-    print(f"\n{r['scheme']}, {r['threads']} threads: prefill {r['prefill_tps']:.1f} tok/s (median "
+    print(f"\n{r['preset']} {r['scheme']} (experts {r['expert_storage']}), {r['threads']} threads: "
+          f"prefill {r['prefill_tps']:.1f} tok/s (median "
           f"{r['prefill_tps_median']:.1f}), decode {r['decode_tps']:.1f} tok/s (median {r['decode_tps_median']:.1f}; "
           f"steps {steps['min']:.2f} / {steps['median']:.2f} / {steps['max']:.2f} ms min/median/max)")
     rows = []
@@ -173,21 +178,21 @@ def print_scheme(r: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="mini", choices=["mini", "k3-mini"])
+    parser.add_argument("--presets", nargs="+", default=["mini", "k3-mini"], choices=["mini", "k3-mini"])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new", type=int, default=32, help="tokens to decode")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per scheme (best is reported)")
-    parser.add_argument("--schemes", nargs="+", default=["q8", "q4"], choices=SCHEMES)
+    parser.add_argument("--schemes", nargs="+", default=["q8", "q4"], choices=SCHEMES,
+                        help="trunk schemes of mini")
+    parser.add_argument("--k3-schemes", nargs="+", default=["q8"], choices=SCHEMES,
+                        help="trunk schemes of k3-mini (its routed experts stay MXFP4)")
     parser.add_argument("--threads", type=int, nargs="+", default=[numba.config.NUMBA_NUM_THREADS],
                         help="Numba thread counts to run each scheme with (default: all)")
     parser.add_argument("--quick", action="store_true", help="64-token prompt, 8 new tokens, one round")
     parser.add_argument("--cache-dir", type=Path, default=common.CACHE_DIR)
-    parser.add_argument("--out", type=Path, default=None, help="default bench/results/engine.json "
-                        "(engine-k3-mini.json for k3-mini)")
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "engine.json")
     args = parser.parse_args()
-    if args.out is None:
-        args.out = common.RESULTS_DIR / ("engine.json" if args.preset == "mini" else f"engine-{args.preset}.json")
     if args.quick:
         args.prompt_len, args.new, args.rounds = 64, 8, 1
     if args.prompt_len < 1 or args.new < 1 or args.rounds < 1:
@@ -201,12 +206,14 @@ def main() -> int:
     copy_start = {t: copy_bandwidth(threads=t) for t in args.threads}
     print("copy bandwidth " + ", ".join(f"{c['gbps']:.1f} GB/s on {t} thread(s)" for t, c in copy_start.items())
           + f" (bytes read + written, {copy_start[args.threads[0]]['buffer_bytes'] >> 20} MiB buffer)")
-    print(f"{args.preset}: prompt {args.prompt_len} tokens in chunks of {args.prefill_chunk}, {args.new} decoded, "
-          f"best of {args.rounds} rounds")
+    print(f"{', '.join(args.presets)}: prompt {args.prompt_len} tokens in chunks of {args.prefill_chunk}, "
+          f"{args.new} decoded, best of {args.rounds} rounds")
+    runs = [(preset, quant) for preset in args.presets
+            for quant in (args.k3_schemes if preset.startswith("k3") else args.schemes)]
     results = []
-    for quant in args.schemes:
+    for preset, quant in runs:
         for threads in args.threads:
-            r = bench_scheme(quant, threads, args)
+            r = bench_scheme(preset, quant, threads, args)
             r["fraction_of_copy_bandwidth"] = r["decode_weight_gbps"] / copy_start[threads]["gbps"]
             print_scheme(r)
             results.append(r)
@@ -216,15 +223,17 @@ def main() -> int:
         r["fraction_of_copy_bandwidth"] = r["decode_weight_gbps"] / copy_gbps[r["threads"]]
     ends = ", ".join(f"{c['gbps']:.1f} GB/s on {t} thread(s)" for t, c in copy_end.items())
     print(f"\ncopy bandwidth at the end {ends}; the summary uses the better of start and end at each thread count")
-    summary = [[r["scheme"], r["threads"], r["prefill_tps"], r["decode_tps"], r["decode_step_ms"]["min"],
-                r["weight_bytes_per_token"] / 1e6, r["decode_weight_gbps"], 100 * r["fraction_of_copy_bandwidth"]]
+    summary = [[r["preset"], r["scheme"], r["expert_storage"], r["threads"], r["prefill_tps"], r["decode_tps"],
+                r["decode_step_ms"]["min"], r["weight_bytes_per_token"] / 1e6, r["decode_weight_gbps"],
+                100 * r["fraction_of_copy_bandwidth"]]
                for r in results]
-    print(common.format_table(["scheme", "threads", "prefill tok/s", "decode tok/s", "fastest step ms",
-                               "weights MB/tok", "GB/s", "% copy bw"], summary, floats=".1f"))
+    print(common.format_table(["preset", "scheme", "experts", "threads", "prefill tok/s", "decode tok/s",
+                               "fastest step ms", "weights MB/tok", "GB/s", "% copy bw"], summary, floats=".1f"))
     common.write_json(args.out, {
-        "benchmark": "engine", "preset": args.preset, "machine": info, "load_average_at_end": list(os.getloadavg()),
+        "benchmark": "engine", "presets": args.presets, "machine": info, "load_average_at_end": list(os.getloadavg()),
         "settings": {"prompt_len": args.prompt_len, "new": args.new, "prefill_chunk": args.prefill_chunk,
-                     "rounds": args.rounds, "threads": args.threads},
+                     "rounds": args.rounds, "threads": args.threads, "schemes": args.schemes,
+                     "k3_schemes": args.k3_schemes},
         "copy_bandwidth": {"start": copy_start, "end": copy_end, "gbps": copy_gbps},
         "runs": results,
     })

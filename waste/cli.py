@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=32)
     s.add_argument("--tolerance", type=_float(0.0, low_open=True), default=None,
                    help="relative error allowed (default by scheme)")
+    s.add_argument("--source", metavar="CHECKPOINT_DIR", default=None,
+                   help="the oracle reads this checkpoint (the one the container was converted from) instead of "
+                        "the container's weights, so the weight format's own error counts too")
     s.add_argument("--no-verify", action="store_true", help="skip the CRC checks of trunk and expert data")
 
     s = command("demo", help="the whole pipeline on the tiny preset")

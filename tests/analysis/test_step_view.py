@@ -133,3 +133,51 @@ def test_load_with_a_bad_path_or_prompt_says_so_and_keeps_the_view(app, tmp_path
     assert "empty" in app.status.value and app.stepper is stepper
     app.prompt_box.value = "Hi there"
     assert not any(b.disabled for b in app.buttons)
+
+
+@pytest.fixture(scope="module")
+def k3_app(tmp_path_factory):
+    path = tiny_container(tmp_path_factory, preset="k3-tiny", quant="f32")
+    return StepThrough([str(path)], "Hi there", steps_ahead=1)
+
+
+def test_k3_steps_show_the_engines_attn_res_weights(k3_app):
+    """Stepping forward and back on K3 shows, at every layer, the depth-attention weights the
+    engine computes for that token (decoded without the stepper), labelled by the blocks they weigh."""
+    from waste.analysis.stepping import attn_res_candidates, engine_attn_res
+
+    s = k3_app.stepper
+    cfg = s.model.config
+    k3_app.goto(len(s.records) - 1, 0)
+    seen = []  # (position, layer, the view shown, the AttnRes panel's tick labels)
+
+    def look():
+        ax = next(a for a in k3_app.figure.get_axes() if a.get_title().startswith("AttnRes"))
+        seen.append((s.position, s.layer, k3_app.view, [t.get_text() for t in ax.get_xticklabels()]))
+
+    for _ in range(cfg.num_layers + 2):
+        k3_app.forward()  # past the last layer of the last record: a new token
+        look()
+    for _ in range(3):
+        k3_app.back()
+        look()
+    assert seen[-1][:2] == seen[-7][:2] and seen[-1][1] == cfg.num_layers - 1 and s.records[-1].generated
+    engine = engine_attn_res(s.model, [r.token for r in s.records])
+    for position, layer, view, labels in seen:
+        for site in ("attn", "ffn"):
+            np.testing.assert_array_equal(view.attn_res[site], engine[position][(layer, site)])
+            assert view.attn_res_labels[site] == attn_res_candidates(layer, site, cfg.attn_res_block_size)
+        # The overview's rows are every site so far, each weight under the block it weighs.
+        assert view.depth_weights.shape == (2 * (layer + 1), -(-cfg.num_layers // cfg.attn_res_block_size) + 1)
+        for i in range(layer + 1):
+            for j, site in enumerate(("attn", "ffn")):
+                w = engine[position][(i, site)]
+                row = view.depth_weights[2 * i + j]
+                np.testing.assert_array_equal(row[: w.size - 1], w[:-1])
+                assert row[-1] == w[-1] and np.isnan(row[w.size - 1:-1]).all()
+        assert labels[0] == "b0\nemb" and labels[-1].startswith("p\np L")
+
+
+def test_k3_conclusion_reads_the_attn_res_weights(k3_app):
+    text = step_conclusion(k3_app.stepper)
+    assert "AttnRes:" in text and "running partial sum" in text

@@ -6,6 +6,8 @@ import pytest
 from waste.analysis.cache_sim import recorded, simulate
 from waste.analysis.stepping import (
     Stepper,
+    attn_res_candidates,
+    engine_attn_res,
     notebook_container,
     notebook_workdir,
     prompt_ids,
@@ -134,3 +136,60 @@ def test_cursor_walks_layers_and_positions(tiny):
         assert len(stepper.records) == 5 and stepper.records[4].generated
         with pytest.raises(WasteError):
             stepper.goto(0, L)
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory):
+    """k3-tiny as K3 ships: MXFP4 routed experts (f32 trunk), AttnRes blocks of 2 over 5 layers."""
+    return tiny_container(tmp_path_factory, preset="k3-tiny", quant="f32")
+
+
+def test_attn_res_candidates_follow_the_block_structure():
+    # k3-tiny: 5 layers in blocks of 2 (tests/engine/test_k3.py spells out every mix's candidates).
+    assert attn_res_candidates(0, "attn", 2) == ["emb"]
+    assert attn_res_candidates(0, "ffn", 2) == ["emb", "p L0"]
+    assert attn_res_candidates(1, "attn", 2) == ["emb", "p L0"]
+    assert attn_res_candidates(2, "attn", 2) == ["emb", "p L0-1"]
+    assert attn_res_candidates(3, "attn", 2) == ["emb", "L0-1", "p L2"]
+    assert attn_res_candidates(4, "ffn", 2) == ["emb", "L0-1", "L2-3", "p L4"]
+    assert attn_res_candidates(5, "output", 2) == ["emb", "L0-1", "L2-3", "p L4"]
+    assert attn_res_candidates(9, "output", 4) == ["emb", "L0-3", "L4-7", "p L8"]
+
+
+def test_stepping_k3_reads_the_attn_res_mixes(k3):
+    """On K3 every layer reads an AttnRes mix: the stepper inspects each attention and router on
+    that mix, so its KDA states are the session's, its router scores give the engine's routing
+    weights, its logits are the engine's decode bit for bit, and the AttnRes weights it keeps are
+    the ones the engine computes for the same tokens without a stepper."""
+    prompt = random_prompt(512, 6, seed=3)
+    with open_container(k3) as c:
+        cfg = c.config
+        model = Model(c)
+        stepper = Stepper(model, prompt)
+        records = [stepper.feed() for _ in range(len(prompt) + 3)]
+        tokens = [r.token for r in records]
+        plain = generate(model, model.new_session(16), prompt, 3, Sampler(), chunk=4)
+        assert tokens == prompt + plain.generated
+        # The engine's decode over the same tokens, one at a time, with no stepper: the same bits.
+        session = model.new_session(len(tokens))
+        decoded = [model.decode(session, t) for t in tokens]
+        for r, logits in zip(records, decoded, strict=True):
+            np.testing.assert_array_equal(r.logits, logits)
+        for layer in cfg.kda_layers:
+            np.testing.assert_array_equal(records[-1].layers[layer].state, session.kda[layer].recurrent)
+        engine = engine_attn_res(model, tokens)
+    S = cfg.attn_res_block_size
+    for r, seen in zip(records, engine, strict=True):
+        assert set(seen) == {(i, site) for i in range(cfg.num_layers) for site in ("attn", "ffn")} | {
+            (cfg.num_layers, "output")}
+        for x in r.layers:
+            for site in ("attn", "ffn"):
+                w = x.attn_res[site]
+                assert w.size == len(attn_res_candidates(x.layer, site, S))
+                np.testing.assert_array_equal(w, seen[(x.layer, site)])
+                np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-6)
+            if x.layer in cfg.moe_layers:
+                # The engine's routing weights follow from the router scores of the FFN mix the stepper saw.
+                s = x.router_scores[x.expert_ids]
+                np.testing.assert_allclose(x.expert_weights, cfg.routed_scaling_factor * s / s.sum(), rtol=1e-5)
+        np.testing.assert_array_equal(r.output_attn_res, seen[(cfg.num_layers, "output")])

@@ -103,3 +103,10 @@ def test_measured_points_from_bench_json(tmp_path, plans):
     points = measured_points(tmp_path, {"mini/q4": 5000})
     assert [(p.label, p.ram_bytes, p.hit_rate, p.tokens_per_second) for p in points] == [
         ("bench/engine.py q4", None, 1.0, 120.0), ("bench/streaming.py 50% cache", 6000, 0.6, 40.0)]
+    assert points[0].preset == "mini"
+    # bench/engine.py now runs mini and k3-mini in one file, each run naming its preset.
+    engine = {"presets": ["mini", "k3-mini"], "runs": [{"preset": "mini", "scheme": "q8", "decode_tps": 100.0},
+                                                       {"preset": "k3-mini", "scheme": "q8", "decode_tps": 30.0}]}
+    (tmp_path / "engine.json").write_text(json.dumps(engine))
+    assert [(p.preset, p.scheme, p.tokens_per_second) for p in measured_points(tmp_path)[:2]] == [
+        ("mini", "q8", 100.0), ("k3-mini", "q8", 30.0)]

@@ -3,7 +3,9 @@
 `layer_view(stepper, head)` gathers the numbers for the stepper's cursor (the layer the current
 token has just passed): the residual-stream update of every layer so far, the KDA state of the
 chosen head before and after the token and their difference, the gate exp(g) and beta, MLA
-attention over the positions, and every expert's router score with the chosen ones.
+attention over the positions, every expert's router score with the chosen ones, and on K3 the
+AttnRes depth-attention weights of the layer's two mixes (each labelled with the blocks of layers
+it weighs, `attn_res_candidates`) beside those of every layer the token has passed.
 `plot_layer_view` draws them; `StepThrough` is the notebook's control panel (container and
 prompt boxes, step buttons, head and layer pickers) with its callbacks as plain methods, so a
 test can drive it as a user would.
@@ -21,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from waste.analysis.plots import KIND_COLORS
-from waste.analysis.stepping import Stepper, TokenRecord, prompt_ids
+from waste.analysis.stepping import Stepper, TokenRecord, attn_res_candidates, prompt_ids
 from waste.analysis.widgets import busy, progress, redraw, short_label
 
 
@@ -44,6 +46,10 @@ class LayerView:
     expert_ids: np.ndarray | None = None  # MoE: [k]
     expert_weights: np.ndarray | None = None  # MoE: [k]
     attn_res: dict[str, np.ndarray] | None = None  # K3: site -> depth-attention weights [n + 1]
+    attn_res_labels: dict[str, list[str]] | None = None  # K3: site -> what each weight weighs
+    # K3: [2 (layer + 1), B + 1] the weights every site so far gave each stored block (B columns,
+    # b0 the embedding) and the partial sum (last column); NaN where a block was not yet a candidate.
+    depth_weights: np.ndarray | None = None
 
     @property
     def difference(self) -> np.ndarray | None:
@@ -69,9 +75,24 @@ def layer_view(stepper: Stepper, head: int) -> LayerView:
         view.attention = r.attention[view.head]
     if r.attn_res:
         view.attn_res = r.attn_res
+        view.attn_res_labels, view.depth_weights = _depth(stepper, record, layer)
     if r.router_scores is not None:
         view.router_scores, view.expert_ids, view.expert_weights = r.router_scores, r.expert_ids, r.expert_weights
     return view
+
+
+def _depth(stepper: Stepper, record: TokenRecord, layer: int) -> tuple[dict[str, list[str]], np.ndarray]:
+    """Candidate labels of the layer's mixes, and every site's weights up to `layer` by block."""
+    S = stepper.model.config.attn_res_block_size
+    labels = {site: attn_res_candidates(layer, site, S) for site in record.layers[layer].attn_res}
+    blocks = -(-stepper.num_layers // S)  # blocks ever stored: ceil(L / S)
+    depth = np.full((2 * (layer + 1), blocks + 1), np.nan)
+    for i, x in enumerate(record.layers[: layer + 1]):
+        for j, site in enumerate(("attn", "ffn")):
+            w = x.attn_res[site]
+            depth[2 * i + j, : w.size - 1] = w[:-1]
+            depth[2 * i + j, -1] = w[-1]
+    return labels, depth
 
 
 def plot_layer_view(view: LayerView, kinds: list[str]) -> Figure:
@@ -82,7 +103,7 @@ def plot_layer_view(view: LayerView, kinds: list[str]) -> Figure:
         rows.append("attn_res")
     if view.router_scores is not None:
         rows.append("router")
-    heights = {"updates": 2.6, "state": 3.6, "gates": 2.6, "attention": 2.8, "attn_res": 2.4, "router": 2.6}
+    heights = {"updates": 2.6, "state": 3.6, "gates": 2.6, "attention": 2.8, "attn_res": 3.2, "router": 2.6}
     fig = Figure(figsize=(12, sum(heights[r] for r in rows)), layout="constrained")
     subs = fig.subfigures(len(rows), 1, squeeze=False, height_ratios=[heights[r] for r in rows])[:, 0]
     for sub, row in zip(subs, rows, strict=True):
@@ -163,20 +184,35 @@ def _attention(sub: Any, view: LayerView, kinds: list[str]) -> None:
 
 
 def _attn_res(sub: Any, view: LayerView, kinds: list[str]) -> None:
-    ax = sub.subplots()
+    """Left: the weights of this layer's two mixes by candidate; right: every layer's so far."""
+    ax, right = sub.subplots(1, 2, width_ratios=[3, 2]) if view.depth_weights is not None else (sub.subplots(), None)
     sites = list(view.attn_res)
-    n = max(w.size for w in view.attn_res.values())
+    longest = max(sites, key=lambda site: view.attn_res[site].size)
+    n = view.attn_res[longest].size
     width = 0.8 / len(sites)
     for j, site in enumerate(sites):
         w = view.attn_res[site]
         ax.bar(np.arange(w.size) + (j - (len(sites) - 1) / 2) * width, w, width=width,
                label=f"input of the {'attention' if site == 'attn' else 'FFN'}")
-    ax.set_xticks(range(n), [f"b{i}" for i in range(n - 1)] + ["p"])
+    names = [f"b{i}" for i in range(n - 1)] + ["p"]
+    if view.attn_res_labels:
+        names = [f"{b}\n{label}" for b, label in zip(names, view.attn_res_labels[longest], strict=True)]
+    ax.set_xticks(range(n), names)
     ax.set_ylim(0, 1.05)
-    ax.set_xlabel("candidate: stored block summaries b0.. (b0 is the embedding), then the running partial sum p")
+    ax.set_xlabel("candidate: stored blocks b0.. (b0 the embedding, then the layers each block sums), "
+                  "last the running partial sum p")
     ax.set_ylabel("depth-attention weight")
     ax.set_title(f"AttnRes: how layer {view.layer} mixes the residual blocks for this token")
     ax.legend(fontsize="small")
+    if right is not None:
+        depth = view.depth_weights
+        im = right.imshow(depth, cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        right.set_xticks(range(depth.shape[1]), [f"b{i}" for i in range(depth.shape[1] - 1)] + ["p"])
+        rows = [f"{i} {site}" for i in range(depth.shape[0] // 2) for site in ("attn", "FFN")]
+        right.set_yticks(range(depth.shape[0]), rows, fontsize="small")
+        right.set_ylabel("layer and site")
+        right.set_title("which blocks every layer so far reads from (blank: not yet stored)")
+        sub.colorbar(im, ax=right, label="weight")
 
 
 def _router(sub: Any, view: LayerView, kinds: list[str]) -> None:
@@ -370,4 +406,13 @@ def step_conclusion(stepper: Stepper) -> str:
         share = np.mean([r.layers[i].attention[:, : len(stepper.prompt)].sum(axis=1).mean()
                          for r in generated for i in mla])
         lines.append(f"At generated positions the MLA heads put {share:.0%} of their attention on the prompt.")
+    if records[0].output_attn_res is not None:
+        # Every mix's weights: the last one is the partial sum p, the first the embedding b0.
+        mixes = [w for r in records for x in r.layers for w in x.attn_res.values() if w.size > 1]
+        mixes += [r.output_attn_res for r in records]
+        partial = np.mean([w[-1] for w in mixes])
+        embedding = np.mean([w[0] for w in mixes])
+        lines.append(f"AttnRes: over the {len(mixes)} depth-attention mixes with a choice, the running partial "
+                     f"sum got {partial:.0%} of the weight on average, the embedding block b0 {embedding:.0%} and "
+                     f"the closed blocks between them {1 - partial - embedding:.0%}.")
     return " ".join(lines)

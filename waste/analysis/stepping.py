@@ -46,9 +46,11 @@ def notebook_workdir() -> Path:
 
 
 def notebook_container(container: str | os.PathLike[str] | None = None, *, preset: str = "tiny",
-                       workdir: str | os.PathLike[str] | None = None, seed: int = 0, quant: str = "f32") -> Path:
+                       workdir: str | os.PathLike[str] | None = None, seed: int = 0, quant: str = "f32",
+                       expert_format: str | None = None) -> Path:
     """The container a notebook works on: `container` when given, otherwise `preset` with
-    random weights (`waste synth`) converted to a container in `workdir` (reused when there)."""
+    random weights (`waste synth`) converted to a container in `workdir` (reused when there).
+    `expert_format` is synth's (a K3 preset's routed experts are MXFP4 unless it says f32 or bf16)."""
     from waste.container.convert import convert
     from waste.synth import synthesize
 
@@ -58,9 +60,10 @@ def notebook_container(container: str | os.PathLike[str] | None = None, *, prese
             raise WasteError(f"{path}: not a .waste container (no manifest.json)")
         return path
     base = Path(workdir) if workdir is not None else notebook_workdir()
-    out = base / f"{preset}-s{seed}-{quant}.waste"
+    tag = f"{preset}-s{seed}" + (f"-{expert_format}-experts" if expert_format else "")
+    out = base / f"{tag}-{quant}.waste"
     if not (out / "manifest.json").is_file():
-        hf = synthesize(preset, base / f"{preset}-s{seed}-hf", seed=seed, dtype="f32", force=True)
+        hf = synthesize(preset, base / f"{tag}-hf", seed=seed, dtype="f32", force=True, expert_format=expert_format)
         convert(hf, out, quant=quant, force=True, progress=False)
     return out
 
@@ -115,6 +118,55 @@ def record_trace(container: str | os.PathLike[str], prompt: Sequence[int], max_n
         finally:
             store.close()
     return recorder.trace()
+
+
+def attn_res_candidates(layer: int, site: str, block_size: int) -> list[str]:
+    """What each weight of the AttnRes mix at (`layer`, `site`) weighs, in the order of the engine's
+    weights: "emb" (b0, the embedding), "L0-3" (a closed block: the outputs of layers 0..3), ...,
+    then the running partial sum p of the current block, "p L4-5" (at an FFN site it includes
+    that layer's attention). Site "output" (layer = L) is the mix the final norm reads.
+
+    Blocks close before the attention of every layer l with l % S == 0 (after its mix), so the mix
+    before layer l's attention sees ceil(l / S) stored blocks, and the one before its FFN
+    l // S + 1. With none stored (layer 0's attention) the only candidate is the embedding.
+    """
+    S = block_size
+    stored = -(-layer // S) if site in ("attn", "output") else layer // S + 1
+    if stored == 0:
+        return ["emb"]
+    last = layer - 1 if site in ("attn", "output") else layer
+    first = S * (stored - 1)
+    blocks = ["emb"] + [f"L{S * (i - 1)}-{S * i - 1}" for i in range(1, stored)]
+    return [*blocks, f"p L{first}" + (f"-{last}" if last > first else "")]
+
+
+class _AttnResRecorder:
+    """Observer keeping the weights of every AttnRes mix of one decode step, by (layer, site)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[tuple[int, str], np.ndarray] = {}
+
+    def on_attn_res(self, layer: int, site: str, positions: np.ndarray, weights: np.ndarray,
+                    mixed: np.ndarray) -> None:
+        self.weights[(layer, site)] = np.asarray(weights[0]).copy()
+
+    def on_layer(self, layer: int, positions: np.ndarray, hidden: np.ndarray) -> None:
+        pass
+
+    def on_routing(self, layer: int, positions: np.ndarray, phase: str, routing: Any, hits: np.ndarray) -> None:
+        pass
+
+
+def engine_attn_res(model: Any, tokens: Sequence[int]) -> list[dict[tuple[int, str], np.ndarray]]:
+    """The engine's own AttnRes weights for `tokens` decoded one at a time in a fresh session (no
+    stepper involved): per position, {(layer, site): weights [n + 1]}, site "output" at layer L."""
+    session = model.new_session(capacity=len(tokens))
+    out = []
+    for token in tokens:
+        recorder = _AttnResRecorder()
+        model.decode(session, int(token), observer=recorder)
+        out.append(recorder.weights)
+    return out
 
 
 @dataclass

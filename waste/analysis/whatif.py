@@ -164,8 +164,10 @@ def measured_points(results_dir: str | Path, resident: dict[str, int] | None = N
     out: list[MeasuredPoint] = []
     engine = _read(results_dir / "engine.json")
     for run in engine.get("runs", []):
-        out.append(MeasuredPoint(f"bench/engine.py {run['scheme']}", engine.get("preset", "mini"), run["scheme"],
-                                 None, 1.0, float(run["decode_tps"])))
+        # Each run names its preset (mini and k3-mini share one file); older files named one for all.
+        preset = run.get("preset", engine.get("preset", "mini"))
+        out.append(MeasuredPoint(f"bench/engine.py {run['scheme']}", preset, run["scheme"], None, 1.0,
+                                 float(run["decode_tps"])))
     streaming = _read(results_dir / "streaming.json")
     base = (resident or {}).get(f"{streaming.get('preset')}/{streaming.get('scheme')}")
     for b in streaming.get("budgets", []):

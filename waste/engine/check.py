@@ -12,65 +12,146 @@ the engine chose (its own router still computes the weights), and the report giv
 often the oracle's own choice agrees. On f32 containers nothing is forced, unless their routed
 experts are stored quantised (K3's MXFP4 experts kept as stored, or `--experts q8|q4`): then
 routing is forced too and the tolerance counts the expert products only (`check_tolerance`).
+
+By default the oracle reads the container's stored weights, so a weight format's own rounding is
+on both sides and the check measures the engine's arithmetic alone. With `source` (`waste check
+--source CHECKPOINT_DIR`) it reads the checkpoint the container was converted from, so the error
+includes the weight format's, and the tolerance (`source_tolerance`) adds each format's own error
+bound: q8's is well below q4's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from waste.config import ModelConfig
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, Model
 from waste.engine.runner import generate
 from waste.engine.sampling import Sampler
 
-# Relative L2 error allowed by default, per container scheme (`scheme_tolerance`).
-UNIT_ROUNDOFF_F32 = 2.0**-24
-# int8 activations, per group of 32 with scale amax / 127: each element is off by at most half a
-# step, amax / 254, uniformly, so the RMS error is amax / (127 sqrt(12)); for a group of 32 normal
-# values amax is about 2.5 times the RMS, so one product's relative error is 2.5 / (127 sqrt(12)).
-INT8_ACTIVATION_REL_ERROR = 2.5 / (127 * 12**0.5)  # 5.7e-3
-PRODUCTS_PER_LAYER = 4  # in series along the residual: attention in and out, FFN in and out
-# bf16 activations: round to nearest with an 8-bit significand, at most 2**-9 relative per value.
-BF16_ACTIVATION_REL_ERROR = 2.0**-9  # 2.0e-3
+# The error model behind every default tolerance (`rounding_tolerance`): each matrix product in
+# series on the way from the embedding to the logits makes one independent relative error (its
+# activations rounded before the product, and in the --source check its weights' own rounding);
+# independent relative errors add in quadrature. `products_in_series` counts the products from
+# the config; the per-product errors follow from each format.
+F32_TOLERANCE = 1e-5  # float32 against float64 from the same weights (see `rounding_tolerance`)
+# Relative RMS error of normal values rounded to a uniform grid of step amax / Q per group of 32,
+# where amax is about CREST times the RMS for a group of 32 normal values: off by at most half a
+# step, uniformly, so RMS step / sqrt(12) and relative CREST / (Q sqrt(12)).
+CREST = 2.5
+INT8_ACTIVATION_REL_ERROR = CREST / (127 * 12**0.5)  # 5.7e-3: int8 per group of 32, scale amax / 127
+# bf16: round to nearest with an 8-bit significand, at most 2**-9 relative per value.
+BF16_REL_ERROR = 2.0**-9  # 2.0e-3
 FORCE_ROUTING = {"f32": False, "bf16": True, "q8": True, "q4": True, "q4all": True}
-# Routed experts stored in a quantised format while the trunk is f32 (K3's MXFP4 experts kept as
-# stored, or `convert --experts q8|q4`): the expert products round activations to int8, two in
-# series per MoE layer (the experts' input for gate and up at once, then the down projection's).
 QUANTISED_EXPERTS = ("q8g", "q4g", "mxfp4")
-EXPERT_PRODUCTS_PER_MOE_LAYER = 2
+# The storage of a scheme's trunk matrices (q4 keeps its trunk in q8g, only its experts are q4g;
+# q4all stores its trunk in q4g except the embedding and lm_head, which stay q8g) and of its experts.
+TRUNK_STORAGE = {"f32": "f32", "bf16": "bf16", "q8": "q8g", "q4": "q8g", "q4all": "q4g"}
+SCHEME_EXPERTS = {"f32": "f32", "bf16": "bf16", "q8": "q8g", "q4": "q4g", "q4all": "q4g"}
+# What a product over each storage does to its activations (relative error per product).
+ACTIVATION_REL_ERROR = {"f32": 0.0, "bf16": BF16_REL_ERROR, "q8g": INT8_ACTIVATION_REL_ERROR,
+                        "q4g": INT8_ACTIVATION_REL_ERROR, "mxfp4": INT8_ACTIVATION_REL_ERROR}
 
 
-def scheme_tolerance(scheme: str, num_layers: int) -> float:
-    """Relative L2 error of the engine against the oracle that a correct engine stays within.
+def mxfp4_weight_rel_error() -> float:
+    """Relative RMS error of MXFP4 (E2M1 values, one power-of-two scale s per 32) on normal weights.
 
-    f32: the engine computes in float32 what the oracle computes in float64 from the same
-    weights. Rounding errors of a few u = 2**-24 per operation, compounded through reductions
-    and layers, stay far below the 1e-5 the issue set (the seed's C engine reached 1.6e-6):
-    1e-5 is about 170 u.
-
-    q8 and q4: the oracle dequantises the very weights the container stores (exactly: code x
-    scale x tscale), so the weight format's own error bound (q8g: half a step of amax / 127
-    per weight, q4g: up to a step of amax / 8) is in both sides and cancels; it is *not* what
-    this check measures, which is why q8 and q4 get the same figure. What differs is that
-    the engine rounds every activation vector to int8 per group of 32 before each quantised
-    product (both formats), a relative error of INT8_ACTIVATION_REL_ERROR = 5.7e-3 per product.
-    Independent errors of the PRODUCTS_PER_LAYER x L products in series add in quadrature:
-    tolerance = 5.7e-3 sqrt(4 L), 2.5e-2 for the 5 layers of tiny (where q8 and q4 measure
-    1.2e-2 at the logits).
-
-    bf16: the weights are the oracle's too; the engine rounds every activation vector to
-    bfloat16 before each product (as vdpbf16ps does), at most BF16_ACTIVATION_REL_ERROR = 2**-9
-    relative per value, compounded the same way: 8.7e-3 for tiny (which measures 3.6e-3).
+    compressed-tensors' scale rule (waste.kernels.mxfp4) puts a group's largest |w| = amax in
+    [3.5 s, 7 s), and amax is about CREST sigma for normal weights of RMS sigma, so sigma / s lies
+    in [3.5 / CREST, 7 / CREST) = [1.4, 2.8). In units of s the E2M1 grid is 0, .5, 1, 1.5, 2, 3, 4,
+    6: steps of 0.5 up to 2, of 1 up to 4 and of 2 up to 6; values past 6 (up to 7) clip to 6, at
+    most 1 off, as within a step of 2. Rounding to nearest is off uniformly within a step, a mean
+    square of step**2 / 12, so E[err**2] = sum over the bands of P(|w| in band) step**2 / 12 with
+    normal probabilities; relative to sigma that is 0.10 at sigma / s = 2.8 and 0.13 at 1.4; the
+    worst over the range (sampled every 0.01) is the figure: 0.127.
     """
-    if scheme == "f32":
-        return 1e-5
-    if scheme in ("q8", "q4", "q4all"):
-        return INT8_ACTIVATION_REL_ERROR * (PRODUCTS_PER_LAYER * num_layers) ** 0.5
-    if scheme == "bf16":
-        return BF16_ACTIVATION_REL_ERROR * (PRODUCTS_PER_LAYER * num_layers) ** 0.5
-    raise ValueError(f"no tolerance for scheme {scheme!r}")
+    bands = ((0.0, 2.0, 0.5), (2.0, 4.0, 1.0), (4.0, math.inf, 2.0))  # [lo, hi) in units of s, step
+
+    def two_sided(x: float) -> float:  # P(|z| > x) for a standard normal z
+        return math.erfc(x / 2**0.5)
+
+    worst = 0.0
+    for i in range(141):
+        sigma = 3.5 / CREST + i * (7.0 - 3.5) / CREST / 140
+        mean_square = sum((two_sided(lo / sigma) - two_sided(hi / sigma)) * step**2 / 12 for lo, hi, step in bands)
+        worst = max(worst, mean_square**0.5 / sigma)
+    return worst
+
+
+# The weights' own relative error against the checkpoint's (`waste check --source`).
+WEIGHT_REL_ERROR = {"f32": 0.0, "bf16": BF16_REL_ERROR, "q8g": CREST / (127 * 12**0.5),
+                    "q4g": CREST / (8 * 12**0.5), "mxfp4": mxfp4_weight_rel_error()}
+
+
+@dataclass(frozen=True)
+class SeriesProducts:
+    """Matrix products along the deepest path from the embedding to the logits (`products_in_series`)."""
+
+    trunk: int  # trunk products that round their activations (lm_head included)
+    experts: int  # routed-expert products
+    trunk_weights: int  # trunk matrices whose weights the path reads: `trunk` plus the embedding lookup
+
+
+def products_in_series(cfg: ModelConfig) -> SeriesProducts:
+    """Count the matrix products in series from the embedding to the logits, from the config.
+
+    An input goes through every layer in turn, and within a layer through the longest chain:
+    - attention, 3: KDA f_a_proj -> f_b_proj (its decay) -> o_proj (Kimi-Linear's low-rank output
+      gate g_a -> g_b -> o_proj is as deep; q/k/v -> o_proj is 2); MLA kv_a_proj -> kv_b_proj ->
+      o_proj, or q_a_proj -> q_b_proj -> o_proj with a query LoRA (K3). The engine multiplies kv_b
+      in float32 from its dequantised weights, so it rounds no activation, but its weights count.
+    - FFN: a dense MLP gate/up -> down, 2 trunk products; a MoE's routed experts w1/w3 -> w2, 2
+      expert products (the shared experts beside them are as deep; the router is float32); K3's
+      latent MoE adds routed_expert_down_proj before the experts and routed_expert_up_proj after,
+      2 trunk + 2 expert products.
+    - the logits: lm_head, 1; the embedding is a lookup, so its weights count but no activation.
+
+    `tiny` (5 layers, 1 dense + 4 MoE): trunk 5 x 3 + 2 + 1 = 18, experts 4 x 2 = 8, weights 19.
+    `k3-tiny` (5 layers, 1 dense + 4 latent MoE): trunk 5 x 3 + 2 + 4 x 2 + 1 = 26, experts 8,
+    weights 27.
+    """
+    moe = len(cfg.moe_layers)
+    dense = cfg.num_layers - moe
+    latent = 2 * moe if cfg.routed_expert_hidden_size is not None else 0
+    trunk = 3 * cfg.num_layers + 2 * dense + latent + 1
+    return SeriesProducts(trunk=trunk, experts=2 * moe, trunk_weights=trunk + 1)
+
+
+def rounding_tolerance(cfg: ModelConfig, trunk: str, experts: str, *, trunk_weights: float = 0.0,
+                       expert_weights: float = 0.0) -> float:
+    """Relative L2 error at the logits (and at every layer, which sit on fewer products) that a
+    correct engine stays within, for trunk matrices stored as `trunk` and routed experts as
+    `experts` (f32, bf16, q8g, q4g, mxfp4), with the weights' own relative errors against the
+    oracle's (0 when the oracle reads the stored weights).
+
+    tolerance**2 = F32_TOLERANCE**2 + sum over the products in series (`products_in_series`) of
+    (activation error**2 + weight error**2). Activations: q8g, q4g and mxfp4 products round them to
+    int8 per group of 32 (INT8_ACTIVATION_REL_ERROR = 5.7e-3); bf16 products to bfloat16 (2**-9);
+    f32 not at all. F32_TOLERANCE = 1e-5: float32 against float64 from the same weights, a few
+    u = 2**-24 per operation compounded through reductions and layers, far below it (the seed's C
+    engine reached 1.6e-6; 1e-5 is about 170 u). E.g. `tiny` q8 and q4 (the oracle reads the
+    stored weights): 5.7e-3 sqrt(18 + 8) = 2.9e-2; `k3-tiny` q8 (MXFP4 experts): 5.7e-3 sqrt(26 + 8)
+    = 3.3e-2.
+    """
+    n = products_in_series(cfg)
+    square = (ACTIVATION_REL_ERROR[trunk] ** 2 * n.trunk + ACTIVATION_REL_ERROR[experts] ** 2 * n.experts
+              + trunk_weights**2 * n.trunk_weights + expert_weights**2 * n.experts)
+    return (F32_TOLERANCE**2 + square) ** 0.5
+
+
+def scheme_tolerance(scheme: str, cfg: ModelConfig, experts: str | None = None) -> float:
+    """`rounding_tolerance` of a container scheme (its experts in the scheme's own storage unless
+    `experts` says otherwise) against an oracle reading the container's stored weights: the weight
+    format's own error is on both sides and cancels, so q8 and q4 share the figure (their trunks
+    are both q8g; only the activations' rounding is measured). `source_tolerance` is the one that
+    tells the formats apart."""
+    if scheme not in TRUNK_STORAGE:
+        raise ValueError(f"no tolerance for scheme {scheme!r}")
+    return rounding_tolerance(cfg, TRUNK_STORAGE[scheme], experts or SCHEME_EXPERTS[scheme])
 
 
 def quantised_experts(container) -> bool:  # noqa: ANN001 - an open container
@@ -79,13 +160,25 @@ def quantised_experts(container) -> bool:  # noqa: ANN001 - an open container
 
 
 def check_tolerance(container) -> float:  # noqa: ANN001 - an open container
-    """`scheme_tolerance` of the container's trunk scheme; for an f32 trunk with quantised experts
-    the int8 activation error of their products alone: 5.7e-3 sqrt(2 x MoE layers), 1.6e-2 for
-    the 4 MoE layers of k3-tiny."""
-    cfg = container.config
-    if quantised_experts(container):
-        return INT8_ACTIVATION_REL_ERROR * (EXPERT_PRODUCTS_PER_MOE_LAYER * len(cfg.moe_layers)) ** 0.5
-    return scheme_tolerance(container.scheme, cfg.num_layers)
+    """`scheme_tolerance` of the container's scheme and expert storage (the oracle reads its weights)."""
+    return scheme_tolerance(container.scheme, container.config, getattr(container, "expert_storage", None))
+
+
+def source_tolerance(container, source) -> float:  # noqa: ANN001 - an open container, a CheckpointSource
+    """The tolerance when the oracle reads the checkpoint the container came from: the activations'
+    rounding as in `check_tolerance`, plus every product's weight error, WEIGHT_REL_ERROR of its
+    storage (q8g 5.7e-3, q4g 9.0e-2, mxfp4 0.13, bf16 2**-9), or 0 where the storage holds the
+    checkpoint's values exactly (f32 always; bf16 from a bfloat16 checkpoint; MXFP4 experts kept
+    verbatim from an MXFP4 checkpoint). q4all's embedding and lm_head are q8g, counted at q4g's bound
+    with the rest of its trunk (two of its products, a slight overestimate)."""
+    trunk = TRUNK_STORAGE[container.scheme]
+    experts = getattr(container, "expert_storage", trunk)
+    exact_trunk = trunk == "f32" or (trunk == "bf16" and source.matrix_dtypes() == {"BF16"})
+    exact_experts = experts == "f32" or (experts == "mxfp4" and source.expert_format() == "mxfp4") or (
+        experts == "bf16" and source.matrix_dtypes() == {"BF16"} and source.expert_format() != "mxfp4")
+    return rounding_tolerance(container.config, trunk, experts,
+                              trunk_weights=0.0 if exact_trunk else WEIGHT_REL_ERROR[trunk],
+                              expert_weights=0.0 if exact_experts else WEIGHT_REL_ERROR[experts])
 
 
 def clear_margin(logits: np.ndarray, tolerance: float) -> np.ndarray:
@@ -141,6 +234,7 @@ class CheckReport:
     greedy_clear: int  # positions whose oracle margin is clear (`clear_margin`)
     greedy_clear_agree: int  # of those, positions where the argmaxes agree
     greedy_disagreements: list[int] = field(default_factory=list)  # positions with a clear margin that disagree
+    oracle: str = "the container's weights"  # or "checkpoint DIR" (`source`)
     routing_forced: bool = False
     routing_agreement: float = 1.0  # fraction of (token, MoE layer) where both chose the same expert set
     position_errors: list[float] = field(default_factory=list)  # per position: worst layer's relative L2 error
@@ -152,7 +246,8 @@ class CheckReport:
 
     def format(self) -> str:
         lines = [f"check: {len(self.ids)} positions ({self.prompt_len} prefill + {len(self.ids) - self.prompt_len} "
-                 f"decode), scheme {self.scheme}, experts {self.experts}, tolerance {self.tolerance:.1e} (relative L2)",
+                 f"decode), scheme {self.scheme}, experts {self.experts}, tolerance {self.tolerance:.1e} "
+                 f"(relative L2), oracle reads {self.oracle}",
                  f"  {'layer':>5} {'kind':<4} {'rel. L2 error':>14}"]
         for i, (kind, err) in enumerate(zip(self.layer_kinds, self.layer_errors, strict=True)):
             flag = "" if err <= self.tolerance else "  ABOVE TOLERANCE"
@@ -175,13 +270,14 @@ def check_against_oracle(
     tolerance: float | None = None,
     model: Model | None = None,
     oracle=None,  # noqa: ANN001 - a ReferenceModel, built here when not given
+    source=None,  # noqa: ANN001 - a CheckpointSource: the oracle reads the checkpoint instead
 ) -> CheckReport:
     """Run engine and oracle on the same ids and compare every layer at every position."""
     from waste.reference.model import ReferenceModel
 
     cfg = container.config
     model = model or Model(container)
-    oracle = oracle or ReferenceModel(container)
+    oracle = oracle or ReferenceModel(container if source is None else source)
     total = len(prompt) + new
     capture = HiddenCapture(cfg.num_layers, cfg.hidden_size, total, cfg.num_experts_per_token)
     session = model.new_session(capacity=total)
@@ -197,7 +293,10 @@ def check_against_oracle(
     by_position = (np.linalg.norm(capture.hidden.astype(np.float64) - want, axis=-1)
                    / np.maximum(np.linalg.norm(want, axis=-1), 1e-300)).max(axis=0)
     ref_logits = ref.logits
-    tol = check_tolerance(container) if tolerance is None else tolerance
+    if tolerance is not None:
+        tol = tolerance
+    else:
+        tol = check_tolerance(container) if source is None else source_tolerance(container, source)
     clear = clear_margin(ref_logits, tol)
     agree = np.argmax(engine_logits, axis=-1) == np.argmax(ref_logits, axis=-1)
     return CheckReport(
@@ -214,6 +313,7 @@ def check_against_oracle(
         greedy_clear=int(clear.sum()),
         greedy_clear_agree=int((clear & agree).sum()),
         greedy_disagreements=[int(p) for p in np.flatnonzero(clear & ~agree)],
+        oracle="the container's weights" if source is None else f"checkpoint {source.path}",
         routing_forced=force,
         routing_agreement=float(np.mean(agreement)) if agreement else 1.0,
         position_errors=[float(e) for e in by_position],

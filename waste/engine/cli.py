@@ -181,7 +181,14 @@ def cmd_check(args: Any) -> int:
                          f"of {cfg.max_position_embeddings}")
     rng = np.random.default_rng(args.seed)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]
-    report = check_against_oracle(container, prompt, args.new, chunk=args.prefill_chunk, tolerance=args.tolerance)
+    source = None
+    if args.source is not None:
+        from waste.container.source import CheckpointSource, check_source_matches
+
+        source = CheckpointSource(args.source)
+        check_source_matches(source, container)
+    report = check_against_oracle(container, prompt, args.new, chunk=args.prefill_chunk, tolerance=args.tolerance,
+                                  source=source)
     print(report.format())
     sys.stdout.flush()
     if not report.passed:
