@@ -19,9 +19,13 @@ bench/results/quant.json (with --quantize-only only the quantiser section, to
 bench/results/quant_quantize.json).
 
 Then (alone with --k3-only, to bench/results/quant_k3.json) MXFP4 against f32 and Q4G on Kimi
-K3's routed-expert shapes, per byte: see measure_k3_experts. Asserts nothing.
+K3's routed-expert shapes, per byte: see measure_k3_experts.
 
-    python bench/quant.py [--quick] [--rounds 30] [--quantize-only | --k3-only] [--out PATH]
+Then (alone with --lowerings-only, to bench/results/quant_lowerings.json) q8g products through
+the integer-dot lowering this host uses against the generic lowering (`int8_blocks`), both in
+the same driver: see measure_lowerings. Asserts nothing.
+
+    python bench/quant.py [--quick] [--rounds 30] [--quantize-only | --k3-only | --lowerings-only] [--out PATH]
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ import numba
 import numpy as np
 from common import at_threads, best_seconds, cycle, machine_info, rotation, thread_counts, write_json
 
+from waste.jit import parallel_kernel, prange
+from waste.kernels import int8_blocks
 from waste.kernels import quant as qk
-from waste.kernels.int8_blocks import ISA
+from waste.kernels.int8_blocks import ISA, TOKEN_TILE
 from waste.qformat import BLOCK_BYTES, GROUP, QMAX, ROWS, SCALE_EXPONENT, bits_per_weight
 from waste.reference.quant import reference_quantize
 
@@ -290,12 +296,16 @@ def main() -> int:
     parser.add_argument("--quantize-rounds", type=int, default=10, help="rounds per quantiser timing (both sides)")
     parser.add_argument("--k3-only", action="store_true",
                         help="only MXFP4 / Q4G / f32 on K3's expert shapes (default --out quant_k3.json)")
+    parser.add_argument("--lowerings-only", action="store_true",
+                        help="only q8g through this host's dot lowering against the generic one "
+                             "(default --out quant_lowerings.json)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON results (default bench/results/quant.json or, with --quantize-only, "
                              "bench/results/quant_quantize.json)")
     args = parser.parse_args()
     results_dir = Path(__file__).parent / "results"
-    default_out = "quant_quantize.json" if args.quantize_only else "quant_k3.json" if args.k3_only else "quant.json"
+    default_out = ("quant_quantize.json" if args.quantize_only else "quant_k3.json" if args.k3_only
+                   else "quant_lowerings.json" if args.lowerings_only else "quant.json")
     out = args.out or results_dir / default_out
     shapes = [s for s in SHAPES if not (args.quick and s[0] == "lm_head")]
     info = quant_machine_info()
@@ -310,9 +320,10 @@ def main() -> int:
         print(f"load average at end: {report['load_average_at_end']}")
         write_json(out, report)
         return 0
-    if args.k3_only:
+    if args.k3_only or args.lowerings_only:
+        section = ("k3_experts", measure_k3_experts) if args.k3_only else ("lowerings", measure_lowerings)
         report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
-                  "k3_experts": measure_k3_experts(args.rounds), "load_average_at_end": os.getloadavg()}
+                  section[0]: section[1](args.rounds), "load_average_at_end": os.getloadavg()}
         print(f"load average at end: {report['load_average_at_end']}")
         write_json(out, report)
         return 0
@@ -328,6 +339,7 @@ def main() -> int:
     report["quantize"] = measure_quantize(args.quantize_rounds)
     print_quantize(report["quantize"])
     report["k3_experts"] = measure_k3_experts(args.rounds)
+    report["lowerings"] = measure_lowerings(args.rounds)
     report["load_average_at_end"] = os.getloadavg()
     print(f"load average at end: {report['load_average_at_end']}")
     write_json(out, report)
@@ -400,6 +412,81 @@ def measure_k3_experts(rounds: int) -> dict[str, object]:
         print(f"target mxfp4 >= q4g GB/s, {t['op']} on {t['shape']}, {t['threads']} thread(s): "
               f"{t['mxfp4_gbs_vs_q4g']:.2f} {'met' if t['met'] else 'MISSED'}")
     return {"shapes": rows, "targets": targets}
+
+
+
+# -- q8g: this host's integer-dot lowering against the generic one ---------------------------------
+
+LOWERING_SHAPES = [s for s in SHAPES if s[0] != "lm_head"]
+
+
+def _lowering_product(isa: str) -> Callable[..., None]:
+    """Y [T, 16NB] = X W^T for q8g / q4g codes through the blocks as lowered for `isa`: the
+    engine's driver (activations quantised once, row blocks in parallel) without its serial
+    shortcuts, so two lowerings are timed in identical drivers."""
+    tile, one = int8_blocks._make_block(TOKEN_TILE, isa), int8_blocks._make_block(1, isa)
+
+    @parallel_kernel
+    def product(X, qs, scales, tscale, Y):
+        T, G = X.shape[0], qs.shape[1]
+        xq = np.empty((T, G * GROUP), np.int8)
+        xsum = np.empty((T, G), np.int32)
+        xs = np.empty((T, G), np.float32)
+        for t in prange(T):
+            qk._quantize_token(X, t, xq, xsum, xs)
+        for b in prange(qs.shape[0]):
+            t = 0
+            while t + TOKEN_TILE <= T:
+                tile(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
+                t += TOKEN_TILE
+            while t < T:
+                one(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
+                t += 1
+
+    return product
+
+
+def measure_lowerings(rounds: int) -> dict[str, object]:
+    """q8g matvec and 32-token matmul through the host's dot lowering (on AVX2: vpsignb,
+    vpmaddubsw, vpmaddwd) against the generic one (widen, multiply, add), in the same driver,
+    interleaved rounds at the same thread count, matrices rotated beyond the last-level cache.
+    Both give the same bits (checked here once per shape, and by tests/kernels/test_quant.py)."""
+    rng = np.random.default_rng(5)
+    lowerings = {name: _lowering_product(isa) for name, isa in (("host", ISA), ("generic", "generic"))}
+    rows = []
+    print(f"q8g products: host lowering {int8_blocks.dot_lowering(ISA, 'q8g')!r} against 'generic', same driver; "
+          f"ms, best of {rounds} interleaved rounds; {TOKENS}-token matmul")
+    print(f"{'shape':<12} {'N x K':>10} {'thr':>3} | {'matvec host':>11} {'generic':>8} {'x':>6} | "
+          f"{'matmul host':>11} {'generic':>8} {'x':>6}")
+    for name, n, k in LOWERING_SHAPES:
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        mats = rotation(lambda i, w=w: qk.quantize(w, "q8g"), qk.quantize(w, "q8g").nbytes)
+        args = [m._qargs[:3] for m in mats]
+        inputs = {"matvec": rng.standard_normal((1, k), dtype=np.float32),
+                  "matmul": rng.standard_normal((TOKENS, k), dtype=np.float32)}
+        outs = {op: np.empty((len(X), args[0][0].shape[0] * ROWS), np.float32) for op, X in inputs.items()}
+        same = True
+        for op, X in inputs.items():
+            ys = []
+            for fn in lowerings.values():
+                fn(X, *args[0], outs[op])
+                ys.append(outs[op].copy())
+            same = same and all(np.array_equal(ys[0], y) for y in ys[1:])
+        fns = {f"{low}/{op}": cycle([lambda fn=fn, a=a, X=X, Y=outs[op]: fn(X, *a, Y) for a in args])
+               for low, fn in lowerings.items() for op, X in inputs.items()}
+        for threads in thread_counts():
+            with at_threads(threads):
+                best = best_times(fns, rounds)
+            row = {"name": name, "N": n, "K": k, "threads": threads, "matrices": len(mats), "same_bits": same,
+                   **{f"{low}_{op}_ms": best[f"{low}/{op}"] * 1e3 for low in lowerings for op in inputs},
+                   **{f"{op}_speedup": best[f"generic/{op}"] / best[f"host/{op}"] for op in inputs}}
+            rows.append(row)
+            print(f"{name:<12} {f'{n}x{k}':>10} {threads:>3} | {row['host_matvec_ms']:>11.3f} "
+                  f"{row['generic_matvec_ms']:>8.3f} {row['matvec_speedup']:>6.2f} | {row['host_matmul_ms']:>11.3f} "
+                  f"{row['generic_matmul_ms']:>8.3f} {row['matmul_speedup']:>6.2f}")
+        del mats, args, fns
+    return {"host_isa": ISA, "host_q8g_lowering": int8_blocks.dot_lowering(ISA, "q8g"), "tokens": TOKENS,
+            "shapes": rows}
 
 
 if __name__ == "__main__":

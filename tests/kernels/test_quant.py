@@ -178,6 +178,27 @@ def test_every_lowering_gives_the_same_bits(fmt: str, isa: str) -> None:
     np.testing.assert_array_equal(Y[:, :N], m.matmul(X))
 
 
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_q8g_dots_are_exact_at_the_extreme_codes(isa: str) -> None:
+    """Weight codes -128, -127, 127 against activation codes +-127 (all of one sign, then mixed):
+    where a lowering that sums two products in int16 would saturate. With unit scales each output
+    is the integer dot itself (|dot| < 2^24, exact in float32)."""
+    rng = np.random.default_rng(6)
+    NB, G, T = 2, 3, 6
+    qs = rng.choice(np.array([-128, -127, 127, 0, 1], np.int8), size=(NB, G, 512))
+    qs[0, 0] = 127
+    qs[1, 0] = -128
+    scales = np.full((NB, G, 16), np.float16(1.0).view(np.uint16), np.uint16)
+    xq = rng.choice(np.array([-127, 127], np.int8), size=(T, G * 32))
+    xq[0], xq[1] = 127, -127
+    xsum = xq.reshape(T, G, 32).sum(axis=-1, dtype=np.int32)
+    Y = np.full((T, NB * 16), np.nan, np.float32)
+    _driver(isa)(qs, scales, np.ones(1, np.float32), xq, xsum, np.ones((T, G), np.float32), Y)
+    # qs [b, g, chunk, row, i] holds the code of row 16b + row at input 32g + 4 chunk + i
+    w = qs.reshape(NB, G, 8, 16, 4).transpose(0, 3, 1, 2, 4).reshape(NB * 16, G * 32)
+    np.testing.assert_array_equal(Y, (xq.astype(np.int64) @ w.astype(np.int64).T).astype(np.float32))
+
+
 @pytest.mark.parametrize("fmt", ANY_K_FORMATS)
 @pytest.mark.parametrize(("N", "K", "T"), [(40, 72, 1), (33, 64, 7), (16, 32, 33)])
 def test_matmul_pair_equals_two_products(fmt: str, N: int, K: int, T: int) -> None:

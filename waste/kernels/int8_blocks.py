@@ -5,9 +5,11 @@ vpmulld/vpmaddwd at about 17 GMAC/s per core (docs/QUANT.md). These intrinsics e
 16-row block's whole group loop as LLVM vector IR, in one of three lowerings (ISAS) chosen
 for the host at import:
 - "vnni": vpdpbusd where the host has AVX-512 VNNI (and vpshufb on 512 bits);
-- "avx2": vpmaddubsw + vpmaddwd (and vpshufb on 256 bits); vpmaddubsw sums two products in
-  int16, exact only for codes that keep that sum small (q4g, mxfp4: SMALL_CODES), so q8g keeps
-  the generic dot on such hosts;
+- "avx2": vpmaddubsw + vpmaddwd (and vpshufb on 256 bits). vpmaddubsw multiplies unsigned by
+  signed bytes and sums pairs in int16 with saturation: exact for the small unsigned codes of
+  q4g and mxfp4 (SMALL_CODES). q8g's signed codes go in as |w| with w's sign moved onto the
+  activation (vpsignb); activation codes lie in [-127, 127], so a pair sums to at most
+  2 x 128 x 127 = 32512 < 32767 in magnitude (|w| = 128 for a code -128 still fits), exact too;
 - "generic": widen, multiply, add lanes in fours (and a compare-select table lookup), which
   every LLVM target lowers.
 All three give the same integers, hence the same bits (tests/kernels/test_quant.py).
@@ -38,6 +40,12 @@ _VB = ir.VectorType(_I8, CHUNK)  # 16 rows x 4 codes
 _VI = ir.VectorType(_I32, ROWS)
 _VF = ir.VectorType(_F32, ROWS)
 
+
+# Numba's fast-math pass flags every float instruction that has no flags, and with 'reassoc'
+# LLVM may reorder the sum over groups differently for each lowering (unrolled into partial
+# sums when the loop body is small). 'arcp' only concerns division: the scaling below keeps
+# IEEE order, so every lowering gives the same float bits from the same integers.
+_IEEE = ("arcp",)
 
 ISAS = ("vnni", "avx2", "generic")
 SMALL_CODES = ("q4g", "mxfp4")  # codes <= 24: two products of 127 times a code fit an int16
@@ -119,6 +127,36 @@ def _dot4(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, x4: ir.Value, isa: 
     return acc
 
 
+def _dot4_signed_avx2(builder: ir.IRBuilder, acc: ir.Value, w_abs: list[ir.Value], w: list[ir.Value],
+                      x4: ir.Value) -> ir.Value:
+    """acc[r] += sum_i s8(w[4r + i]) * s8(x4 byte i), given the two 32-byte halves of w and of
+    |w| (computed once per chunk, shared by the tokens): vpsignb puts w's sign on the
+    activation, vpmaddubsw multiplies by |w| (at most 128, so a pair sum fits an int16 for
+    activations in [-127, 127]), vpmaddwd adds the pairs into int32."""
+    half = ir.VectorType(_I8, 32)
+    x32 = _halves(builder, builder.bitcast(_splat(builder, x4, _VI), _VB))[0]
+    ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
+    sums = []
+    for wa, ws in zip(w_abs, w, strict=True):
+        signed_x = _x86(builder, "llvm.x86.avx2.psign.b", half, x32, ws)
+        pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), wa, signed_x)
+        sums.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), pairs, ones))
+    return builder.add(acc, _join(builder, *sums))
+
+
+def _abs_halves(builder: ir.IRBuilder, w: ir.Value) -> list[ir.Value]:
+    """|w| of each 32-byte half of a <64 x i8> (vpabsb; -128 gives 0x80, read unsigned as 128)."""
+    half = ir.VectorType(_I8, 32)
+    return [_x86(builder, "llvm.abs.v32i8", half, h, ir.Constant(ir.IntType(1), 0)) for h in _halves(builder, w)]
+
+
+def dot_lowering(isa: str, fmt: str) -> str:
+    """How a block of format `fmt` computes its integer dots on a host of lowering `isa`."""
+    if isa != "avx2":
+        return isa
+    return "avx2" if fmt in SMALL_CODES else "avx2_signed"
+
+
 # (codes, scales) dtypes -> format: float16 scales as uint16 bits, mxfp4's E8M0 bytes as uint8
 _FORMAT_OF_DTYPES = {(types.int8, types.uint16): "q8g", (types.uint8, types.uint16): "q4g",
                      (types.uint8, types.uint8): "mxfp4"}
@@ -145,8 +183,9 @@ def _make_block(tokens: int, isa: str):
         fmt = _FORMAT_OF_DTYPES.get((getattr(qs, "dtype", None), getattr(scales, "dtype", None)))
         if fmt is None:
             return None
-        offset = CODE_OFFSET[fmt]
-        dot_isa = isa if isa != "avx2" or fmt in SMALL_CODES else "generic"
+        dot_isa = dot_lowering(isa, fmt)
+        # The signed dot sums the codes' own products: no offset to take back out.
+        offset = 0 if dot_isa == "avx2_signed" else CODE_OFFSET[fmt]
         arrays = (qs, scales, xq, xsum, xs, Y)
         dtypes = (qs.dtype, scales.dtype, types.int8, types.int32, types.float32, types.float32)
         if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d
@@ -187,6 +226,13 @@ def _make_block(tokens: int, isa: str):
                     ahead = builder.gep(qs_.data, [builder.add(wbase, c(CHUNK * ch + PREFETCH_BYTES))])
                     builder.call(prefetch, [builder.bitcast(ahead, _I8.as_pointer()), *pf_args])
                     wv = builder.load(at(qs_, builder.add(wbase, c(CHUNK * ch)), _VB), align=1)
+                    if dot_isa == "avx2_signed":
+                        w_halves = _halves(builder, wv)
+                        w_abs = _abs_halves(builder, wv)
+                        for t in range(tokens):
+                            x4 = builder.load(at(xq_, builder.add(xbase[t], c(4 * ch)), _I32), align=1)
+                            iacc[t] = _dot4_signed_avx2(builder, iacc[t], w_abs, w_halves, x4)
+                        continue
                     if fmt == "q8g":
                         # Flipping the sign bit reads int8 code q as the unsigned byte q + 128.
                         parts = [(builder.xor(wv, ir.Constant(_VB, [0x80] * CHUNK)), 4 * ch)]
@@ -208,15 +254,18 @@ def _make_block(tokens: int, isa: str):
                     scale = builder.fpext(builder.bitcast(s16, half), _VF)
                 for t in range(tokens):
                     tg = builder.add(builder.mul(rows[t], G), g)
-                    corr = builder.mul(builder.load(builder.gep(xsum_.data, [tg])), ir.Constant(_I32, offset))
-                    dots = builder.sitofp(builder.sub(iacc[t], _splat(builder, corr, _VI)), _VF)
+                    dots = iacc[t]
+                    if offset:
+                        corr = builder.mul(builder.load(builder.gep(xsum_.data, [tg])), ir.Constant(_I32, offset))
+                        dots = builder.sub(dots, _splat(builder, corr, _VI))
+                    dots = builder.sitofp(dots, _VF)
                     xsc = _splat(builder, builder.load(builder.gep(xs_.data, [tg])), _VF)
-                    term = builder.fmul(builder.fmul(dots, scale), xsc)
-                    builder.store(builder.fadd(builder.load(faccs[t]), term), faccs[t])
+                    term = builder.fmul(builder.fmul(dots, scale, flags=_IEEE), xsc, flags=_IEEE)
+                    builder.store(builder.fadd(builder.load(faccs[t]), term, flags=_IEEE), faccs[t])
             tsv = _splat(builder, tscale_, _VF)
             for t in range(tokens):
                 out = at(y_, builder.add(builder.mul(rows[t], Np), builder.mul(b_, c(ROWS))), _VF)
-                builder.store(builder.fmul(builder.load(faccs[t]), tsv), out, align=4)
+                builder.store(builder.fmul(builder.load(faccs[t]), tsv, flags=_IEEE), out, align=4)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -291,6 +291,9 @@ SERIAL_TOKENS = 4  # tokens quantised serially
 SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 
+# Numba's cache keys _rows on this file alone, though it inlines the blocks' generated code: a
+# change to int8_blocks' lowerings must change this file too, or cached kernels keep the old
+# code (the last such change: q8g's signed AVX2 dot).
 @kernel
 def _rows(qs, scales, xq, xsum, xs, Y, ts, b):
     """Row block b of Y for all tokens: tiles of TOKEN_TILE tokens, then one at a time."""
