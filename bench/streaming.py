@@ -12,7 +12,9 @@ then `--new` greedy decode steps; the store's counters are reset between the two
 decode columns count decode alone.
 
 `read GB/s` is the store's bytes over its wall time inside reads (the pool's reads overlap, so
-this is what the reads achieved together); `read %` is that time's share of the decode time.
+this is what the reads achieved together); `read %` is that time's share of the decode time
+(a MoE layer computes its cached and shared experts while its misses are read, so this is the
+time with reads in flight, not all of it spent waiting).
 `crc %` is the integrity check's cost (issue 14; target under 5%): the time spent in
 `check_expert` on the blobs decode read, over the decode time (summed over reader threads, so
 an upper bound on what it adds to the wall time). The trunk's CRCs, checked once per open,

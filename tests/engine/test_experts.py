@@ -120,6 +120,42 @@ def test_streaming_serves_the_right_weights(tmp_path, policy, budget_blobs):
                                       for e in ids})
 
 
+@pytest.mark.parametrize("read_threads", [1, 4])
+def test_fetch_hands_out_hits_first_and_ends_as_get(tmp_path, read_threads):
+    """fetch yields every id once, its hits before its misses, the right weights, and leaves the
+    cache and the counters where get leaves them (same requests to a twin store)."""
+    rng = np.random.default_rng(4)
+    c = ExpertBlobContainer(tmp_path, seed=5)
+    with StreamingExpertStore(c, 6 * PAGE, "lru", read_threads=read_threads) as by_get, \
+            StreamingExpertStore(c, 6 * PAGE, "lru", read_threads=read_threads) as by_fetch:
+        for layer, ids in _random_requests(rng, c, 40):
+            by_get.get(layer, ids)
+            handed = list(by_fetch.fetch(layer, ids))
+            order = [i for i, _ in handed]
+            assert sorted(order) == list(range(len(ids)))
+            hits = by_fetch.last_hits
+            np.testing.assert_array_equal(hits, by_get.last_hits)
+            assert order[:int(hits.sum())] == list(np.flatnonzero(hits))
+            got = dict(handed)
+            _assert_weights(c, layer, ids, [got[i] for i in range(len(ids))])
+            assert by_fetch.cached_keys() == by_get.cached_keys()
+        a, b = by_get.stats.total.as_dict(), by_fetch.stats.total.as_dict()
+        for d in (a, b):
+            d.pop("read_seconds"), d.pop("gbps")
+        assert a == b
+
+
+def test_fetch_stopped_early_leaves_no_read_running(tmp_path):
+    c = ExpertBlobContainer(tmp_path, seed=6)
+    with StreamingExpertStore(c, 0, "lru", read_threads=4) as store:
+        arrivals = store.fetch(4, [0, 1, 2, 3, 4, 5])
+        next(arrivals)
+        arrivals.close()
+        # Nothing was touched and nothing counted: the request did not complete.
+        assert store.cached_keys() == [] and store.stats.total.calls == 0
+        _assert_weights(c, 4, [6, 7], store.get(4, [6, 7]))
+
+
 def test_mmap_store_counts_every_lookup_as_a_miss(tmp_path):
     c = ExpertBlobContainer(tmp_path, seed=3)
     store = open_expert_store(c, None)

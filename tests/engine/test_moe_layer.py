@@ -101,6 +101,26 @@ def test_forward_matches_reference_and_fetches_each_expert_once(router_weights: 
     assert info.dedup_ratio > 1
 
 
+class ReversedFetchStore(FakeStore):
+    """A store whose `fetch` hands the experts out last id first, as a slow read might."""
+
+    def fetch(self, layer_index: int, expert_ids: list[int]):
+        return reversed(list(enumerate(self.get(layer_index, expert_ids))))
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_arrival_order_does_not_change_the_bits(T: int) -> None:
+    """Outputs are summed in id order whatever order the store hands the experts out in."""
+    cfg = _config()
+    rng = np.random.default_rng(17)
+    layer, _, store = _build(cfg, rng)
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    y, info = layer.forward(x, store)
+    y_rev, info_rev = layer.forward(x, ReversedFetchStore(store.experts))
+    np.testing.assert_array_equal(y_rev, y)
+    np.testing.assert_array_equal(info_rev.ids, info.ids)
+
+
 def test_router_modes_differ_only_in_weights() -> None:
     cfg = _config()
     rng = np.random.default_rng(13)

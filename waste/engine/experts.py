@@ -13,6 +13,10 @@ phases whose semantics docs/TRACE.md fixes and `waste.analysis.cache_sim` replay
    (LFU: lowest count, ties to the least recent) until it fits. A blob larger than the
    whole budget is never cached, so a budget of 0 caches nothing.
 
+`fetch` is `get` for a caller that computes while the misses arrive: it hands out the hits
+at once and each miss as soon as its read finishes, and runs the touch phase when the last
+one has been handed out, so the cache ends in the state `get` leaves.
+
 The cache charges each entry its blob's size in experts.bin (padding included), which is
 the size of the buffer the decoded views live in; the charge never exceeds the budget.
 Experts handed out stay valid after eviction: they hold their own buffer.
@@ -28,8 +32,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -132,6 +136,12 @@ class ExpertStore(ABC):
     @abstractmethod
     def get(self, layer: int, expert_ids: Sequence[int]) -> list[Expert]:
         """The (w1, w3, w2) of each expert asked for, in the order asked."""
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
+        """An iterator of (index into expert_ids, expert), one for every id asked for, in the order
+        they become available; a store that reads from disk issues the reads at the call and hands
+        out its hits first. Once exhausted, the counters and the cache are as `get` leaves them."""
+        return enumerate(self.get(layer, expert_ids))
 
     @property
     def last_hits(self) -> np.ndarray:
@@ -308,6 +318,12 @@ class StreamingExpertStore(ExpertStore):
         return list(self._cache.entries)
 
     def get(self, layer: int, expert_ids: Sequence[int]) -> list[Expert]:
+        out: list[Expert | None] = [None] * len(expert_ids)
+        for i, expert in self.fetch(layer, expert_ids):
+            out[i] = expert
+        return out  # type: ignore[return-value]
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
         if self._fd is None:
             raise WasteError("expert store is closed")
         ids = self._check(layer, expert_ids)
@@ -315,29 +331,45 @@ class StreamingExpertStore(ExpertStore):
         hits = np.array([f is not None for f in looked_up], bool)
         found: dict[int, _Entry] = {i: f for i, f in enumerate(looked_up) if f is not None}
         missing = [i for i, f in enumerate(looked_up) if f is None]
-        st = self.stats.layer(layer)
-        if missing:
-            spans = {i: self.container.expert_span(layer, ids[i]) for i in missing}
-            # Disk-offset order: the pool takes work first in, first out.
-            order = sorted(missing, key=lambda i: spans[i][0])
-            t0 = time.perf_counter()
-            if self._pool is not None and len(order) > 1:
-                bufs = list(self._pool.map(lambda i: self._fetch(layer, ids[i], *spans[i]), order))
-            else:
-                bufs = [self._fetch(layer, ids[i], *spans[i]) for i in order]
-            st.read_seconds += time.perf_counter() - t0
-            for i, buf in zip(order, bufs, strict=True):
-                w1, w3, w2 = self.container.decode_expert(layer, buf)
-                found[i] = _Entry((w1, w3, w2), buf)
-                st.bytes_read += int(buf.nbytes)
-        for i, e in enumerate(ids):
-            self._cache.touch((layer, e), found[i])
-        st.calls += 1
-        st.requests += len(ids)
-        st.hits += int(hits.sum())
-        st.misses += len(missing)
         self._last_hits = hits
-        return [found[i].expert for i in range(len(ids))]
+        st = self.stats.layer(layer)
+        spans = {i: self.container.expert_span(layer, ids[i]) for i in missing}
+        # Disk-offset order: the pool takes work first in, first out.
+        order = sorted(missing, key=lambda i: spans[i][0])
+        finished: list[float] = []
+
+        def read(i: int) -> np.ndarray:
+            return self._fetch(layer, ids[i], *spans[i], finished)
+
+        t0 = time.perf_counter()
+        # The reads are issued now, before the caller computes with the hits.
+        pooled = self._pool is not None and len(order) > 1
+        futures = {self._pool.submit(read, i): i for i in order} if pooled else {}  # type: ignore[union-attr]
+        arrivals = _as_completed(futures) if pooled else ((i, read(i)) for i in order)
+
+        def hand_out() -> Iterator[tuple[int, Expert]]:
+            try:
+                for i in sorted(found):
+                    yield i, found[i].expert
+                for i, buf in arrivals:
+                    found[i] = _Entry(self.container.decode_expert(layer, buf), buf)
+                    st.bytes_read += int(buf.nbytes)
+                    yield i, found[i].expert
+            finally:
+                # A caller that stops early (an error) leaves no read running into its buffers.
+                for f in futures:
+                    f.cancel()
+                wait(list(futures))
+            if order:
+                st.read_seconds += max(finished) - t0
+            for i, e in enumerate(ids):
+                self._cache.touch((layer, e), found[i])
+            st.calls += 1
+            st.requests += len(ids)
+            st.hits += int(hits.sum())
+            st.misses += len(missing)
+
+        return hand_out()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -381,9 +413,11 @@ class StreamingExpertStore(ExpertStore):
             self._fd = fd
             self.io_note = note
 
-    def _fetch(self, layer: int, expert: int, offset: int, nbytes: int) -> np.ndarray:
-        """Read one blob and check its CRCs (in the reader thread: the CRC releases the GIL)."""
+    def _fetch(self, layer: int, expert: int, offset: int, nbytes: int, finished: list[float]) -> np.ndarray:
+        """Read one blob and check its CRCs (in the reader thread: the CRC releases the GIL);
+        appends the time the read finished to `finished`."""
         buf = self._read(offset, nbytes)
+        finished.append(time.perf_counter())
         if self._verify:
             self.container.check_expert(layer, expert, buf)
         return buf
@@ -406,6 +440,15 @@ class StreamingExpertStore(ExpertStore):
                 raise WasteError(
                     f"expert file {self._path}: truncated, blob of {nbytes} B at offset {offset} runs past the end"
                 ) from None
+
+
+def _as_completed(futures: dict[Future[np.ndarray], int]) -> Iterator[tuple[int, np.ndarray]]:
+    """(index, blob) of each read as it finishes (reads that finish together in index order)."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for f in sorted(done, key=futures.__getitem__):
+            yield futures[f], f.result()
 
 
 def open_expert_store(

@@ -1,12 +1,15 @@
 """The FFN half of a block: routed MoE with shared experts, or the dense MLP of the first layers.
 
 A MoE forward over a chunk of T tokens routes all of them, fetches each unique routed expert
-of the chunk once (one `store.get` call, ids sorted) and applies it to every token that chose
+of the chunk once (one store request, ids sorted) and applies it to every token that chose
 it with one matmul per projection over those rows. The dedup ratio T*k / unique says how much
 expert traffic the chunk saved against token-by-token execution.
 
 The expert store interface (`waste.engine.experts` implements it):
-`store.get(layer_index, expert_ids: list[int]) -> list[(w1 gate, w3 up, w2 down)]` of QMatrix.
+`store.get(layer_index, expert_ids: list[int]) -> list[(w1 gate, w3 up, w2 down)]` of QMatrix,
+and optionally `store.fetch(layer_index, expert_ids)`, which yields (index, expert) as each
+arrives: the layer then computes the experts it has while the others are still being read,
+and adds their outputs in id order whatever the order of arrival (the same bits as `get`).
 
 Every MLP here (dense, shared and routed experts) is gated: down(act(gate x, up x)), with
 act = SiLU(g) * u (SwiGLU, `hidden_act` "silu") or SiTU (K3, "situ"; see `waste.kernels.moe`).
@@ -17,7 +20,7 @@ Input x is the residual stream after post_attention_layernorm; shapes x, y [T, h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,36 +149,62 @@ class MoELayer:
             raise WasteError(f"MoE input must be [T, {self.hidden}], got shape {x.shape}")
         return x
 
-    def routed(self, x: np.ndarray, z: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
+    def routed(self, x: np.ndarray, z: np.ndarray, store: ExpertSource,
+               then_add: Callable[[], np.ndarray] | None = None) -> tuple[np.ndarray, RoutingInfo]:
         """Route on x [T, hidden], run the chosen experts on z [T, in] (in = the experts' input
         width) -> (weighted sum of the expert outputs [T, in], RoutingInfo); each unique expert
-        fetched once."""
+        fetched once. `then_add()` [T, in], if given, runs while the experts are read and is
+        added after their sum."""
         ids, weights = self.route(x)
         unique = np.unique(ids)
-        experts = store.get(self.layer_index, [int(e) for e in unique])
-        if len(experts) != len(unique):
-            raise WasteError(f"expert store returned {len(experts)} experts for {len(unique)} requested ids")
+        arrivals = _arrivals(store, self.layer_index, unique)
+        extra = then_add() if then_add is not None else None
         y = np.zeros_like(z)
         if z.shape[0] == 1:
-            # Decode: the same sums in the same (sorted id) order without the row bookkeeping
-            # below, which cost about 60 us per layer per token on `mini`.
+            # Decode: no row bookkeeping (it cost about 60 us per layer per token on `mini`).
             rank = {e: r for r, e in enumerate(ids[0].tolist())}
-            for e, (w1, w3, w2) in zip(unique.tolist(), experts, strict=True):
-                y += weights[0, rank[e]] * self.mlp(z, w1, w3, w2)
+            rows = [slice(None)] * len(unique)
+            scale = [weights[0, rank[e]] for e in unique.tolist()]
         else:
-            for e, (w1, w3, w2) in zip(unique, experts, strict=True):
-                # Top-k ids are distinct per token, so each row appears at most once here.
-                rows, ranks = np.nonzero(ids == e)
-                y[rows] += weights[rows, ranks, None] * self.mlp(z[rows], w1, w3, w2)
+            # Top-k ids are distinct per token, so each row appears at most once per expert.
+            picks = [np.nonzero(ids == e) for e in unique]
+            rows = [r for r, _ in picks]
+            scale = [weights[r, k, None] for r, k in picks]
+        # Outputs are added in id order as soon as every lower id's is in: the sums of `get`.
+        done: dict[int, np.ndarray] = {}
+        added = 0
+        for i, (w1, w3, w2) in arrivals:
+            done[i] = self.mlp(z[rows[i]], w1, w3, w2)
+            while added in done:
+                y[rows[added]] += scale[added] * done.pop(added)
+                added += 1
+        if added != len(unique):
+            raise WasteError(f"expert store returned {added} experts for {len(unique)} requested ids")
+        if extra is not None:
+            y += extra
         return y, RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
 
     def forward(self, x: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
-        """x [T, hidden] -> (y [T, hidden], RoutingInfo): routed experts plus the shared ones."""
+        """x [T, hidden] -> (y [T, hidden], RoutingInfo): routed experts plus the shared ones
+        (computed while the routed experts are read, added after them)."""
         x = self._check_input(x)
-        y, info = self.routed(x, x, store)
-        if self.shared is not None:
-            y += self.mlp(x, *self.shared)
-        return y, info
+        shared = self.shared
+        if shared is None:
+            return self.routed(x, x, store)
+        return self.routed(x, x, store, lambda: self.mlp(x, *shared))
+
+
+def _arrivals(store: ExpertSource, layer: int, unique: np.ndarray) -> Iterator[tuple[int, Expert]]:
+    """(index into unique, expert) as the store hands them out: `fetch` if it has one (its reads
+    start now), else `get`."""
+    ids = [int(e) for e in unique]
+    fetch = getattr(store, "fetch", None)
+    if fetch is not None:
+        return fetch(layer, ids)
+    experts = store.get(layer, ids)
+    if len(experts) != len(ids):
+        raise WasteError(f"expert store returned {len(experts)} experts for {len(ids)} requested ids")
+    return enumerate(experts)
 
 
 def router_and_shared(cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str
