@@ -464,13 +464,20 @@ def open_expert_store(
     return StreamingExpertStore(container, budget_bytes, policy, read_threads, direct_io)
 
 
+# Pages of the map faulted in by the mmap call itself rather than one by one by the read: on
+# this 2-core VM a fresh 4 MB blob buffer cost 8 ms of page faults, 2.8 ms populated (a 4 MB
+# read takes about 4 ms), CPU time the reader threads take from the kernels.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
 def _aligned_buffer(nbytes: int) -> np.ndarray:
     """A writable [nbytes] uint8 buffer starting on a page boundary (O_DIRECT needs the
     address aligned); an anonymous map is page-aligned and wastes nothing when the blob
     size is a multiple of the page size, as container blobs are."""
     if nbytes <= 0:
         raise WasteError(f"expert blob size must be positive, got {nbytes}")
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _POPULATE
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
 def _os_pread_copy(fd: int, buffers: list[memoryview], offset: int) -> int:
