@@ -10,12 +10,13 @@ import numpy as np
 from threadpoolctl import threadpool_info
 
 from waste import jit
+from waste.env import BLAS_THREADS_ENV, blas_threads
 
 
 def _blas_threads_in(env_value: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != jit.BLAS_THREADS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != BLAS_THREADS_ENV}
     if env_value is not None:
-        env[jit.BLAS_THREADS_ENV] = env_value
+        env[BLAS_THREADS_ENV] = env_value
     code = ("import waste.jit\nfrom threadpoolctl import threadpool_info\n"
             "print(sorted({p['num_threads'] for p in threadpool_info() if p['user_api'] == 'blas'}))")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -25,7 +26,7 @@ def test_blas_runs_on_one_thread_unless_asked() -> None:
     assert np.ones(1) is not None  # numpy (and its BLAS) loaded, as for every kernel user
     blas = [p for p in threadpool_info() if p["user_api"] == "blas"]
     assert blas, "numpy's BLAS not found by threadpoolctl"
-    assert {p["num_threads"] for p in blas} == {jit._blas_threads()}
+    assert {p["num_threads"] for p in blas} == {blas_threads()}
     assert _blas_threads_in(None).stdout.strip() == "[1]"
     assert _blas_threads_in("2").stdout.strip() == "[2]"
     bad = _blas_threads_in("lots")
@@ -43,7 +44,7 @@ def test_kernel_options_are_shared() -> None:
 
 
 def test_bad_blas_threads_is_a_one_line_cli_error() -> None:
-    env = dict(os.environ, **{jit.BLAS_THREADS_ENV: "0"})
+    env = dict(os.environ, **{BLAS_THREADS_ENV: "0"})
     code = "from waste.cli import main; raise SystemExit(main(['plan', 'tiny']))"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2

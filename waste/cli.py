@@ -16,6 +16,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from waste.env import blas_threads
 from waste.errors import CheckFailed, WasteError
 from waste.qformat import EXPERT_CHOICES, SCHEMES
 
@@ -203,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)
+        blas_threads()  # a bad WASTE_BLAS_THREADS fails here, whether or not the command loads kernels
         module_name, func_name = HANDLERS[args.command].split(":")
         handler = getattr(importlib.import_module(module_name), func_name)
         code = int(handler(args) or 0)

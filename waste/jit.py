@@ -9,14 +9,13 @@ a fresh clone simply compiles once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numba
 from threadpoolctl import threadpool_limits
 
-from waste.errors import WasteError
+from waste.env import blas_threads
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,17 +39,7 @@ prange = numba.prange
 # with two BLAS threads and 22.8 with one (bench/engine.py); an MLA prefill through BLAS made
 # the whole prefill 3x slower. So BLAS runs on one thread, unless WASTE_BLAS_THREADS says
 # otherwise (for the whole process, numpy included, once waste's kernels are imported).
-BLAS_THREADS_ENV = "WASTE_BLAS_THREADS"
-
-
-def _blas_threads() -> int:
-    value = os.environ.get(BLAS_THREADS_ENV, "1")
-    if not value.isdigit() or int(value) < 1:
-        raise WasteError(f"{BLAS_THREADS_ENV}={value!r}: expected a positive number of threads")
-    return int(value)
-
-
-threadpool_limits(_blas_threads(), user_api="blas")
+threadpool_limits(blas_threads(), user_api="blas")
 
 
 def kernel(fn: F | None = None, **overrides: Any) -> Any:

@@ -1,0 +1,19 @@
+"""Settings waste reads from the environment, parsed in one place without importing Numba, so
+the CLI can refuse a bad value before any work starts (kernels apply them when imported)."""
+
+from __future__ import annotations
+
+import os
+
+from waste.errors import WasteError
+
+BLAS_THREADS_ENV = "WASTE_BLAS_THREADS"
+
+
+def blas_threads() -> int:
+    """Threads BLAS may use (default 1, see waste/jit.py); a value that is not a positive integer
+    is a WasteError naming the variable."""
+    value = os.environ.get(BLAS_THREADS_ENV, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise WasteError(f"{BLAS_THREADS_ENV}={value!r}: expected a positive number of threads")
+    return int(value)
