@@ -23,6 +23,12 @@ bench/results/engine.json (each run names its preset). Asserts nothing.
 
     python bench/engine.py [--presets mini k3-mini] [--schemes q8 q4] [--k3-schemes q8] [--prompt-len 256]
                            [--new 32] [--prefill-chunk 32] [--rounds 3] [--threads N ..] [--quick]
+
+`--sweep-chunks 16 32 64 128 256 2048` measures instead prefill tokens per second of a
+`--prompt-len` prompt at each prefill chunk (issue 17: the default chunk is the fastest one
+measured), per preset and scheme, with the chunks interleaved round by round so that a change
+in the machine's load touches them alike; best and median per chunk. Prints a table, writes
+bench/results/engine-chunks.json (`--sweep-out`).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ def weight_bytes_per_token(model: Model) -> dict[str, int]:
             kind = cfg.layer_kinds[layer]
             if name.endswith("kv_b_proj.weight"):
                 attn = model.attn[layer]
-                out[kind] += int(attn.w_uk.nbytes + attn.w_uv_t.nbytes)
+                out[kind] += int(attn.w_uk.nbytes + attn.w_uv.nbytes)
                 continue
         else:
             kind = "dense" if layer < cfg.first_k_dense_replace else "moe"
@@ -157,6 +163,49 @@ def bench_scheme(preset: str, quant: str, threads: int, args: argparse.Namespace
     }
 
 
+def sweep_chunks(preset: str, quant: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Prefill tokens/s of one preset and scheme at each of args.sweep_chunks, rounds interleaved."""
+    path = common.mini_container(quant, args.cache_dir, preset=preset)
+    seconds: dict[int, list[float]] = {chunk: [] for chunk in args.sweep_chunks}
+    with open_container(path) as c:
+        model = Model(c)
+        prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_len)
+        for chunk in args.sweep_chunks:  # warm-up: compile, fault the weights in
+            model.prefill(model.new_session(len(prompt)), prompt[: min(len(prompt), 2 * chunk)], chunk=chunk,
+                          all_logits=False)
+        for _ in range(args.rounds):
+            for chunk in args.sweep_chunks:
+                session = model.new_session(len(prompt))
+                t0 = time.perf_counter()
+                model.prefill(session, prompt, chunk=chunk, all_logits=False)
+                seconds[chunk].append(time.perf_counter() - t0)
+    return [{"preset": preset, "scheme": quant, "chunk": chunk, "prefill_tps": args.prompt_len / min(s),
+             "prefill_tps_median": args.prompt_len / float(np.median(s)), "seconds": s}
+            for chunk, s in seconds.items()]
+
+
+def run_sweep(args: argparse.Namespace, runs: list[tuple[str, str]], info: dict[str, Any]) -> None:
+    """`--sweep-chunks`: prefill tokens/s per chunk, a table and bench/results/engine-chunks.json."""
+    numba.set_num_threads(args.threads[0])
+    print(f"prefill of {args.prompt_len} tokens at chunks {args.sweep_chunks}, best of {args.rounds} interleaved "
+          f"rounds, {args.threads[0]} threads")
+    rows = [r for preset, quant in runs for r in sweep_chunks(preset, quant, args)]
+    print(common.format_table(["preset", "scheme", "chunk", "prefill tok/s", "median tok/s"],
+                              [[r["preset"], r["scheme"], r["chunk"], r["prefill_tps"], r["prefill_tps_median"]]
+                               for r in rows], floats=".1f"))
+    for preset, quant in runs:
+        best = max((r for r in rows if (r["preset"], r["scheme"]) == (preset, quant)), key=lambda r: r["prefill_tps"])
+        print(f"{preset} {quant}: fastest chunk {best['chunk']} ({best['prefill_tps']:.1f} tok/s); "
+              f"default {DEFAULT_PREFILL_CHUNK}")
+    common.write_json(args.sweep_out, {
+        "benchmark": "engine-chunks", "machine": info, "load_average_at_end": list(os.getloadavg()),
+        "default_prefill_chunk": DEFAULT_PREFILL_CHUNK,
+        "settings": {"prompt_len": args.prompt_len, "rounds": args.rounds, "chunks": args.sweep_chunks,
+                     "threads": args.threads[0]},
+        "sweep": rows,
+    })
+
+
 def print_scheme(r: dict[str, Any]) -> None:
     steps = r["decode_step_ms"]
     print(f"\n{r['preset']} {r['scheme']} (experts {r['expert_storage']}), {r['threads']} threads: "
@@ -190,6 +239,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[numba.config.NUMBA_NUM_THREADS],
                         help="Numba thread counts to run each scheme with (default: all)")
     parser.add_argument("--quick", action="store_true", help="64-token prompt, 8 new tokens, one round")
+    parser.add_argument("--sweep-chunks", type=int, nargs="+", default=None,
+                        help="prefill only, at each of these chunks (see the module doc)")
+    parser.add_argument("--sweep-out", type=Path, default=common.RESULTS_DIR / "engine-chunks.json")
     parser.add_argument("--cache-dir", type=Path, default=common.CACHE_DIR)
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "engine.json")
     args = parser.parse_args()
@@ -199,17 +251,22 @@ def main() -> int:
         parser.error("--prompt-len, --new and --rounds must be at least 1")
     if any(not 1 <= t <= numba.config.NUMBA_NUM_THREADS for t in args.threads):
         parser.error(f"--threads must lie in 1..{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS)")
+    if args.sweep_chunks is not None and min(args.sweep_chunks) < 1:
+        parser.error("--sweep-chunks must be at least 1")
     info = common.machine_info()
     print(f"{info['cpu']}, {info['cores']} cores, Numba {info['numba']} ({info['numba_threads']} threads), "
           f"load average {info['load_average']}")
+    runs = [(preset, quant) for preset in args.presets
+            for quant in (args.k3_schemes if preset.startswith("k3") else args.schemes)]
+    if args.sweep_chunks:
+        run_sweep(args, runs, info)
+        return 0
     # The bandwidth bound of a run on t threads is a copy on t threads (one core may not reach what two do).
     copy_start = {t: copy_bandwidth(threads=t) for t in args.threads}
     print("copy bandwidth " + ", ".join(f"{c['gbps']:.1f} GB/s on {t} thread(s)" for t, c in copy_start.items())
           + f" (bytes read + written, {copy_start[args.threads[0]]['buffer_bytes'] >> 20} MiB buffer)")
     print(f"{', '.join(args.presets)}: prompt {args.prompt_len} tokens in chunks of {args.prefill_chunk}, "
           f"{args.new} decoded, best of {args.rounds} rounds")
-    runs = [(preset, quant) for preset in args.presets
-            for quant in (args.k3_schemes if preset.startswith("k3") else args.schemes)]
     results = []
     for preset, quant in runs:
         for threads in args.threads:

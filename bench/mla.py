@@ -1,17 +1,22 @@
-"""MLA attention over the latent cache at the Kimi-Linear shape (H = 32, R = 512, rope 64).
+"""MLA attention at the Kimi-Linear-48B shape (the kimi-linear-48b-a3b preset: H = 32, nope 128,
+rope 64, V 128, R = 512): prefill in the expanded form against the absorbed form, and decode.
 
-Prefill: 32-token chunks from an empty cache up to `--context` tokens, as the engine runs a
-prompt, and one chunk of 512 tokens; multiply-adds per second (causal: each query against the
-keys it sees), against the same two products (scores, then probabilities times latents) as
-plain BLAS calls with no mask and no softmax, timed in the same run at the same thread count
-(1 against 1, all cores against all cores: bench/common.py `at_threads`). For the single chunk the
-plain products multiply the whole square while the prefill's query tiles stop near the
-diagonal, so the prefill can beat its baseline there. Decode: one query over 1K, 4K and 16K
-cached rows; microseconds, multiply-adds per second and the cache bytes read per second
+Prefill (issue 13): a `--context`-token prompt (default 4096) through one MLA layer's attention,
+from the queries and the cache rows to the head outputs [T, H, V] (the projections around it
+are the same in both forms and left out):
+- expanded, as the engine runs it: one `mla_prefill` call per pass of PREFILL_PASS_TOKENS
+  tokens (each pass expands the keys and values of the whole cache once): 320 multiply-adds
+  per query-key pair and head, plus R (nope + V) per cached token and head and pass;
+- absorbed per query, the engine's prefill before: W_UK absorbed into every query, each query
+  through the decode kernel over its causal prefix (1088 multiply-adds per pair and head),
+  W_UV applied to every attended latent.
+Both on the same thread count (1 and all cores: bench/common.py `at_threads`), best of
+`--rounds`; the ratio is absorbed time over expanded time. Decode: one query over 1K, 4K and
+16K cached rows; microseconds, multiply-adds per second and the cache bytes read per second
 against the machine's copy bandwidth measured in the same run. Prints tables, writes
 bench/results/mla.json, asserts nothing.
 
-    python bench/mla.py [--context 2048] [--rounds 3] [--out bench/results/mla.json]
+    python bench/mla.py [--context 4096] [--rounds 3] [--threads N ...] [--out bench/results/mla.json]
 """
 
 from __future__ import annotations
@@ -25,50 +30,62 @@ import numpy as np
 from common import RESULTS_DIR, at_threads, best_seconds, format_table, machine_info, thread_counts, write_json
 
 from waste.analysis.budget import copy_bandwidth
-from waste.kernels.mla import mla_decode, mla_prefill
+from waste.config import load_preset
+from waste.engine.model import PREFILL_PASS_TOKENS
+from waste.kernels.mla import heads_dot, heads_times, mla_decode, mla_prefill
 
-H, R, ROPE = 32, 512, 64
+CFG = load_preset("kimi-linear-48b-a3b")
+H, NOPE, ROPE, V, R = (CFG.mla_num_heads, CFG.qk_nope_head_dim, CFG.qk_rope_head_dim, CFG.v_head_dim,
+                       CFG.kv_lora_rank)
 D = R + ROPE
-SCALE = 192**-0.5  # (qk_nope 128 + rope 64) ** -0.5
-CHUNK = 32
+SCALE = (NOPE + ROPE) ** -0.5
 DECODE_CONTEXTS = (1024, 4096, 16384)
 
 
-def prefill_macs(T: int, start: int) -> float:
-    """Multiply-adds of T causal queries at positions start.. over the cache: D per score, R per output."""
-    return H * T * (start + (T + 1) / 2) * (D + R)
+def absorbed_prefill(q: np.ndarray, latent: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray) -> np.ndarray:
+    """The absorbed per-query form: q [T, H, nope + P] from position 0 -> o [T, H, V]."""
+    T = q.shape[0]
+    q_abs = np.empty((T, H, D), np.float32)
+    q_abs[:, :, :R] = heads_times(q[:, :, :NOPE], w_uk)
+    q_abs[:, :, R:] = q[:, :, NOPE:]
+    o_lat = np.empty((T, H, R), np.float32)
+    for t in range(T):
+        mla_decode(q_abs[t], latent, t + 1, SCALE, R, out=o_lat[t])
+    return heads_dot(o_lat, w_uv)
 
 
-def bench_prefill(rng: np.random.Generator, context: int, rounds: int) -> list[dict[str, Any]]:
-    latent = (0.05 * rng.standard_normal((context, D))).astype(np.float32)
-    q = (0.05 * rng.standard_normal((context, H, D))).astype(np.float32)
+def expanded_prefill(q: np.ndarray, latent: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray) -> np.ndarray:
+    """The expanded form as the engine calls it, one call per pass: q [T, H, nope + P] -> o [T, H, V]."""
+    out = np.empty((q.shape[0], H, V), np.float32)
+    for start in range(0, q.shape[0], PREFILL_PASS_TOKENS):
+        end = min(q.shape[0], start + PREFILL_PASS_TOKENS)
+        mla_prefill(q[start:end], latent, start, SCALE, w_uk, w_uv, out=out[start:end])
+    return out
 
-    def chunked() -> None:
-        for start in range(0, context, CHUNK):
-            mla_prefill(q[start:start + CHUNK], latent, start, SCALE, R)
 
-    def chunked_gemm() -> None:
-        for start in range(0, context, CHUNK):
-            n = start + CHUNK
-            s = q[start:start + CHUNK].reshape(-1, D) @ latent[:n].T
-            s @ latent[:n, :R]
-
-    T1 = min(512, context)
-    cases = {
-        f"{CHUNK}-token chunks to {context}": (chunked, chunked_gemm,
-                                               sum(prefill_macs(CHUNK, s) for s in range(0, context, CHUNK))),
-        f"one chunk of {T1}": (lambda: mla_prefill(q[:T1], latent, 0, SCALE, R),
-                               lambda: (q[:T1].reshape(-1, D) @ latent[:T1].T) @ latent[:T1, :R],
-                               prefill_macs(T1, 0)),
-    }
+def bench_prefill(rng: np.random.Generator, context: int, rounds: int, threads: list[int]) -> list[dict[str, Any]]:
+    latent = rng.standard_normal((context, D)).astype(np.float32)
+    q = (0.05 * rng.standard_normal((context, H, NOPE + ROPE))).astype(np.float32)
+    kv_b = (rng.standard_normal((H, NOPE + V, R)) / np.sqrt(R)).astype(np.float32)
+    w_uk, w_uv = np.ascontiguousarray(kv_b[:, :NOPE]), np.ascontiguousarray(kv_b[:, NOPE:])
+    pairs = context * (context + 1) / 2
+    passes = range(0, context, PREFILL_PASS_TOKENS)
+    expanded_macs = H * (pairs * (NOPE + ROPE + V) + sum(min(context, p + PREFILL_PASS_TOKENS) for p in passes)
+                         * R * (NOPE + V))
+    absorbed_macs = H * (pairs * (D + R) + context * R * (NOPE + V))
+    # Compile (or load) the kernels on a short prompt first.
+    small = min(context, 64)
+    agree = np.max(np.abs(expanded_prefill(q[:small], latent, w_uk, w_uv)
+                          - absorbed_prefill(q[:small], latent, w_uk, w_uv)))
     rows = []
-    for name, (fn, gemm, macs) in cases.items():
-        fn()  # compile or load the kernels first
-        for threads in thread_counts():
-            with at_threads(threads):
-                t, t_gemm = best_seconds(fn, rounds), best_seconds(gemm, rounds)
-            rows.append({"case": name, "threads": threads, "seconds": t, "gmacs": macs / t / 1e9,
-                         "gemm_seconds": t_gemm, "gemm_gmacs": macs / t_gemm / 1e9, "fraction_of_gemm": t_gemm / t})
+    for n in threads:
+        with at_threads(n):
+            t_exp = best_seconds(lambda: expanded_prefill(q, latent, w_uk, w_uv), rounds)
+            t_abs = best_seconds(lambda: absorbed_prefill(q, latent, w_uk, w_uv), rounds)
+        rows.append({"context": context, "threads": n, "expanded_s": t_exp, "absorbed_s": t_abs,
+                     "speedup": t_abs / t_exp, "expanded_gmacs": expanded_macs / t_exp / 1e9,
+                     "absorbed_gmacs": absorbed_macs / t_abs / 1e9, "expanded_macs": expanded_macs,
+                     "absorbed_macs": absorbed_macs, "max_abs_difference_first_64": float(agree)})
     return rows
 
 
@@ -89,25 +106,34 @@ def bench_decode(rng: np.random.Generator, rounds: int, copy_gbps: float) -> lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--context", type=int, default=2048, help="prompt tokens of the chunked prefill")
+    ap.add_argument("--context", type=int, default=4096, help="prompt tokens of the prefill")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1 and all cores)")
+    ap.add_argument("--no-decode", action="store_true", help="prefill only")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "mla.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    info = machine_info()
+    print(f"{info['cpu']}, {info['cores']} cores, load average {info['load_average']}")
     copy = copy_bandwidth(threads=numba.config.NUMBA_NUM_THREADS)  # decode runs on all of them
-    decode = bench_decode(rng, args.rounds, copy["gbps"])
-    prefill = bench_prefill(rng, args.context, args.rounds)
-    print(format_table(["prefill H=32 R=512", "threads", "s", "GMAC/s", "BLAS s", "BLAS GMAC/s", "of BLAS"],
-                       [[r["case"], r["threads"], r["seconds"], r["gmacs"], r["gemm_seconds"], r["gemm_gmacs"],
-                         r["fraction_of_gemm"]] for r in prefill]))
-    print("BLAS: the same two products with no mask and no softmax, on the same number of threads\n")
-    print(format_table(["decode H=32 R=512", "cache MB", "us", "GMAC/s", "read GB/s", "of copy bw"],
-                       [[f"context {r['context']}", r["cache_bytes"] / 1e6, r["us"], r["gmacs"], r["read_gbps"],
-                         r["fraction_of_copy_bandwidth"]] for r in decode]))
-    print("decode in latent space is compute-bound: H (D + R) multiply-adds per cached row")
+    decode = [] if args.no_decode else bench_decode(rng, args.rounds, copy["gbps"])
+    prefill = bench_prefill(rng, args.context, args.rounds, args.threads or list(thread_counts()))
+    print(format_table([f"prefill H={H} R={R}", "threads", "expanded s", "absorbed s", "speedup", "exp GMAC/s",
+                        "abs GMAC/s"],
+                       [[f"{r['context']} tokens", r["threads"], r["expanded_s"], r["absorbed_s"], r["speedup"],
+                         r["expanded_gmacs"], r["absorbed_gmacs"]] for r in prefill]))
+    print(f"one MLA layer's attention, queries and cache rows to head outputs; expanded in passes of "
+          f"{PREFILL_PASS_TOKENS} tokens; speedup = absorbed s / expanded s at the same thread count; "
+          f"largest |difference| over the first 64 queries {prefill[0]['max_abs_difference_first_64']:.2e}\n")
+    if decode:
+        print(format_table([f"decode H={H} R={R}", "cache MB", "us", "GMAC/s", "read GB/s", "of copy bw"],
+                           [[f"context {r['context']}", r["cache_bytes"] / 1e6, r["us"], r["gmacs"], r["read_gbps"],
+                             r["fraction_of_copy_bandwidth"]] for r in decode]))
+        print("decode in latent space is compute-bound: H (D + R) multiply-adds per cached row")
     print(f"copy bandwidth {copy['gbps']:.1f} GB/s (bytes read + written)")
-    write_json(args.out, {"machine": machine_info(), "rounds": args.rounds, "copy_bandwidth": copy,
-                          "prefill": prefill, "decode": decode})
+    write_json(args.out, {"machine": info, "rounds": args.rounds, "copy_bandwidth": copy,
+                          "shape": {"H": H, "nope": NOPE, "rope": ROPE, "v": V, "R": R},
+                          "prefill_pass_tokens": PREFILL_PASS_TOKENS, "prefill": prefill, "decode": decode})
 
 
 if __name__ == "__main__":

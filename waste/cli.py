@@ -73,6 +73,9 @@ def _float(low: float, high: float = math.inf, *, low_open: bool = False) -> Cal
 SEED = _int(0, (1 << 63) - 1)
 # Tokens one run may add: far above any model's context, low enough that nothing is sized from it first.
 MAX_NEW = _int(0, 1 << 24)
+# The default lives with the engine (waste.engine.model.DEFAULT_PREFILL_CHUNK), which this module
+# does not import: it compiles kernels.
+PREFILL_CHUNK_HELP = "prompt tokens per KDA prefill call (default: the engine's fastest measured)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=_float(0.0), default=None, help="0 = greedy (default)")
     s.add_argument("--top-p", type=_float(0.0, 1.0, low_open=True), default=None, help="default 1")
     s.add_argument("--seed", type=SEED, default=None, help="default 0")
-    s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=32)
+    s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=None, help=PREFILL_CHUNK_HELP)
     s.add_argument("--router-weights", choices=("unbiased", "biased"), default="unbiased")
     s.add_argument("--logits-out", help="write float32 logits [prompt_len + max_new, vocab] to this .npy")
     s.add_argument("--expert-cache", default=None,
@@ -169,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-len", type=_int(1, 1 << 24), default=80)
     s.add_argument("--new", type=MAX_NEW, default=8)
     s.add_argument("--seed", type=SEED, default=0)
-    s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=32)
+    s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=None, help=PREFILL_CHUNK_HELP)
     s.add_argument("--tolerance", type=_float(0.0, low_open=True), default=None,
                    help="relative error allowed (default by scheme)")
     s.add_argument("--source", metavar="CHECKPOINT_DIR", default=None,

@@ -91,7 +91,8 @@ def test_prefill_reads_each_expert_at_most_once_per_layer(q4, chunk) -> None:
 
 
 def test_passes_bound_the_reads_of_a_long_prompt(q4, monkeypatch) -> None:
-    """Prompts longer than a pass read the experts at most once per pass, and agree with one pass."""
+    """Prompts longer than a pass read the experts at most once per pass, and give the same bits
+    as one pass (a position's output does not depend on where passes begin)."""
     with open_container(q4) as c:
         runs = {}
         for pass_tokens in (40, 1000):
@@ -103,4 +104,4 @@ def test_passes_bound_the_reads_of_a_long_prompt(q4, monkeypatch) -> None:
             assert store.stats.total.bytes_read <= passes * c.byte_counts()["expert_bytes"]
             assert all(s.calls == passes for s in store.stats.layers.values())
             store.close()
-    np.testing.assert_allclose(runs[40], runs[1000], rtol=0, atol=1e-5 * np.abs(runs[1000]).max())
+    np.testing.assert_array_equal(runs[40], runs[1000])

@@ -30,20 +30,23 @@ def _run(container, prompt, max_new, sampler, session=None, chunk=32):
     return model, session, result
 
 
-@pytest.mark.parametrize("cut", [40, 50 + 3], ids=["inside-prefill-chunk", "during-decode"])
-def test_resume_is_bit_exact(q8, tmp_path, cut):
-    """A run cut at token `cut` and resumed from its saved session equals the uninterrupted run."""
+@pytest.mark.parametrize(("cut", "chunk"), [(40, 32), (40, 7), (50 + 3, 32)],
+                         ids=["inside-prefill-chunk", "other-chunks", "during-decode"])
+def test_resume_is_bit_exact(q8, tmp_path, cut, chunk):
+    """A run cut at token `cut` and resumed from its saved session equals the uninterrupted run
+    (prefilled in chunks of 32), also when the cut run uses other chunks."""
     with open_container(q8) as c:
         _, _, whole = _run(c, PROMPT, 8, Sampler(0.8, 0.95, seed=7))
         full_logits = whole.all_logits()
         first_prompt = PROMPT[:cut]
         first_new = max(cut - len(PROMPT), 0)
-        model, session, first = _run(c, first_prompt, first_new, Sampler(0.8, 0.95, seed=7))
+        model, session, first = _run(c, first_prompt, first_new, Sampler(0.8, 0.95, seed=7), chunk=chunk)
         session.save(tmp_path / "s.npz")
         model = Model(c)
         resumed = model.load_session(tmp_path / "s.npz")
         rest_prompt = PROMPT[cut:]
-        second = generate(model, resumed, rest_prompt, 8 - first_new, Sampler.from_state(resumed.sampler_state))
+        second = generate(model, resumed, rest_prompt, 8 - first_new, Sampler.from_state(resumed.sampler_state),
+                          chunk=chunk)
     assert first.generated + second.generated == whole.generated
     np.testing.assert_array_equal(np.concatenate([first.all_logits(), second.all_logits()]), full_logits)
 

@@ -1,7 +1,7 @@
-"""Absorbed latent-attention kernels against the float64 non-absorbed oracle.
+"""Latent-attention kernels (absorbed decode, expanded prefill) against the float64 oracle.
 
 Tolerance: the kernels work in float32 (unit roundoff 6e-8) with dot products over D <= 96
-and probability-weighted sums over <= 130 cached rows; the accumulated relative error stays
+and probability-weighted sums over <= 300 cached rows; the accumulated relative error stays
 near 1e-6, so 1e-5 of the output's scale leaves a 10x margin and still catches any indexing,
 masking or scaling bug (those give O(1) errors).
 """
@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_close
 
 from waste.errors import WasteError
-from waste.kernels.mla import heads_times, mla_decode, mla_prefill
+from waste.kernels.mla import KEY_BLOCK, heads_dot, heads_times, mla_decode, mla_prefill
 from waste.reference.mla import mla_attention
 
 RTOL = 1e-5
@@ -53,28 +53,53 @@ def test_decode_matches_non_absorbed(n: int) -> None:
     np.testing.assert_allclose(p.sum(axis=1), 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("start", "T"), [(0, 1), (0, 9), (5, 4), (40, 7), (37, 150)])  # 150: three query tiles
+def _prefill(q, latent, start, w_uk, w_uv, scale=(NOPE + ROPE) ** -0.5):
+    out = np.full((q.shape[0], H, V), np.nan, np.float32)
+    o = mla_prefill(q, latent, start, scale, w_uk, w_uv, out=out)
+    assert o is out
+    return o
+
+
+# 300 tokens: several key blocks; (70, 130): starts inside a block, crosses two boundaries.
+@pytest.mark.parametrize(("start", "T"), [(0, 1), (0, 9), (5, 4), (40, 7), (0, 300), (70, 130)])
 def test_prefill_matches_non_absorbed(start: int, T: int) -> None:
     rng = np.random.default_rng(100 + start + T)
     # Rows past start + T stay NaN: a read beyond the causal horizon would poison the output.
     latent, kv_b, w_uk, w_uv = _problem(rng, start + T, start + T + 3)
     q = rng.standard_normal((T, H, NOPE + ROPE)).astype(np.float32)
-    scale = (NOPE + ROPE) ** -0.5
-    out = np.full((T, H, R), np.nan, np.float32)
-    o_lat = mla_prefill(_absorb(q, w_uk), latent, start, scale, R, out=out)
-    assert o_lat is out
-    o = np.einsum("thr,hvr->thv", o_lat.astype(np.float64), w_uv.astype(np.float64))
-    ref_o, _ = mla_attention(q, latent, kv_b, start=start, kv_rank=R, nope=NOPE, v_dim=V, scale=scale)
-    assert_close(o, ref_o, RTOL)
+    ref_o, _ = mla_attention(q, latent, kv_b, start=start, kv_rank=R, nope=NOPE, v_dim=V, scale=(NOPE + ROPE) ** -0.5)
+    assert_close(_prefill(q, latent, start, w_uk, w_uv), ref_o, RTOL)
 
 
-def test_prefill_last_row_equals_decode() -> None:
+def test_prefill_near_ties_rising_and_huge_scores() -> None:
+    """Keys that differ by a hair (near-uniform probabilities); scores whose maximum rises from
+    block to block (the online softmax must rescale what it summed); scores near 1e6 (finite)."""
+    rng = np.random.default_rng(5)
+    T = 2 * KEY_BLOCK + 9
+    latent, kv_b, w_uk, w_uv = _problem(rng, T, T)
+    q = rng.standard_normal((T, H, NOPE + ROPE)).astype(np.float32)
+    base = latent[:T].copy()
+    latent[:T] = base[0] + 1e-4 * rng.standard_normal((T, R + ROPE)).astype(np.float32)
+    ref_o, ref_p = mla_attention(q, latent, kv_b, start=0, kv_rank=R, nope=NOPE, v_dim=V, scale=0.2)
+    assert max(float(np.ptp(p)) for p in ref_p[1:]) < 1e-3  # near-ties indeed
+    assert_close(_prefill(q, latent, 0, w_uk, w_uv, 0.2), ref_o, RTOL)
+    latent[:T] = base
+    latent[:T, R:] += np.linspace(0, 4, T, dtype=np.float32)[:, None]
+    q[..., NOPE:] = np.abs(q[..., NOPE:]) + 1  # later keys score higher, by up to about 30
+    ref_o, _ = mla_attention(q, latent, kv_b, start=0, kv_rank=R, nope=NOPE, v_dim=V, scale=0.5)
+    assert_close(_prefill(q, latent, 0, w_uk, w_uv, 0.5), ref_o, RTOL)
+    assert np.all(np.isfinite(_prefill(300 * q, 300 * latent, 0, w_uk, w_uv, 1.0)))
+
+
+def test_prefill_agrees_with_absorbed_decode() -> None:
+    """The expanded prefill of the last query and the absorbed decode of it agree to float32 rounding."""
     rng = np.random.default_rng(7)
-    n = 20
-    latent, _, w_uk, _ = _problem(rng, n, n)
-    q_abs = _absorb(rng.standard_normal((4, H, NOPE + ROPE)).astype(np.float32), w_uk)
-    chunk = mla_prefill(q_abs, latent, n - 4, 0.2, R)
-    one, _ = mla_decode(q_abs[-1], latent, n, 0.2, R)
+    n = KEY_BLOCK + 20
+    latent, _, w_uk, w_uv = _problem(rng, n, n)
+    q = rng.standard_normal((4, H, NOPE + ROPE)).astype(np.float32)
+    chunk = _prefill(q, latent, n - 4, w_uk, w_uv, 0.2)
+    o_lat, _ = mla_decode(_absorb(q, w_uk)[-1], latent, n, 0.2, R)
+    one = heads_dot(o_lat[None], w_uv)[0]
     assert_close(one, chunk[-1], RTOL)
 
 
@@ -91,8 +116,11 @@ def test_large_scores_stay_finite() -> None:
 def test_bad_arguments_raise() -> None:
     latent = np.zeros((4, R + ROPE), np.float32)
     q = np.zeros((H, R + ROPE), np.float32)
+    w_uk, w_uv = np.zeros((H, NOPE, R), np.float32), np.zeros((H, V, R), np.float32)
     with pytest.raises(WasteError, match="capacity 4"):
-        mla_prefill(np.zeros((3, H, R + ROPE), np.float32), latent, 2, 1.0, R)
+        mla_prefill(np.zeros((3, H, NOPE + ROPE), np.float32), latent, 2, 1.0, w_uk, w_uv)
+    with pytest.raises(WasteError, match="weights"):
+        mla_prefill(np.zeros((3, H, NOPE + ROPE), np.float32), latent, 0, 1.0, w_uk, w_uv[:, :, :5])
     with pytest.raises(WasteError, match="cached rows"):
         mla_decode(q, latent, 5, 1.0, R)
     with pytest.raises(WasteError, match="width"):
@@ -118,17 +146,18 @@ def test_decode_head_groups(heads: int) -> None:
     assert_close(o, ref_p @ latent[:n, :R].astype(np.float64), RTOL)
 
 
-@pytest.mark.parametrize("cuts", [(1,), (5,), (7, 8), (3, 11, 12)])
+@pytest.mark.parametrize("cuts", [(1,), (5,), (7, 8), (3, 11, 12), (63, 64, 65), (7, 70, 71, 129)])
 def test_prefill_is_chunk_invariant(cuts: tuple[int, ...]) -> None:
-    """Any cut of the prompt into chunks gives the same bits for every query (session resume)."""
+    """Any cut of the prompt into calls gives the same bits for every query (session resume),
+    including cuts at and next to key-block boundaries."""
     rng = np.random.default_rng(11)
-    T = 13
-    latent, _, _, _ = _problem(rng, T, T + 2)
-    q = rng.standard_normal((T, H, R + ROPE)).astype(np.float32)
-    whole = mla_prefill(q, latent, 0, 0.2, R)
+    T = 2 * KEY_BLOCK + 13
+    latent, _, w_uk, w_uv = _problem(rng, T, T + 2)
+    q = rng.standard_normal((T, H, NOPE + ROPE)).astype(np.float32)
+    whole = _prefill(q, latent, 0, w_uk, w_uv)
     parts, t0 = [], 0
     for t1 in (*cuts, T):
-        parts.append(mla_prefill(q[t0:t1], latent, t0, 0.2, R))
+        parts.append(_prefill(q[t0:t1], latent, t0, w_uk, w_uv))
         t0 = t1
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
@@ -142,3 +171,14 @@ def test_heads_times_matches_float64_and_ignores_row_count() -> None:
     np.testing.assert_array_equal(heads_times(x[4:6], w), y[4:6])
     with pytest.raises(WasteError):
         heads_times(x, w[:, :19])
+
+
+def test_heads_dot_matches_float64_and_ignores_row_count() -> None:
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((9, H, 20)).astype(np.float32)
+    w = rng.standard_normal((H, 11, 20)).astype(np.float32)  # 11 rows: a group of eight and three more
+    y = heads_dot(x, w)
+    assert_close(y, np.einsum("tha,hba->thb", x.astype(np.float64), w.astype(np.float64)), RTOL)
+    np.testing.assert_array_equal(heads_dot(x[4:6], w), y[4:6])
+    with pytest.raises(WasteError):
+        heads_dot(x, w[:, :, :19])

@@ -81,7 +81,7 @@ def cmd_run(args: Any) -> int:
     from waste.container.reader import open_container
     from waste.engine.experts import open_expert_store
     from waste.engine.memory import peak_rss, plan_run_memory
-    from waste.engine.model import PREFILL_PASS_TOKENS, Model
+    from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS, Model
     from waste.engine.runner import generate
     from waste.engine.text import chat_turn_ids, text_printer
     from waste.engine.trace import TraceRecorder
@@ -93,6 +93,7 @@ def cmd_run(args: Any) -> int:
     tokenizer = require_tokenizer(args.container) if _text_args(args) else None
     prompt = tokenizer.encode(args.prompt) if getattr(args, "prompt", None) is not None else _prompt(args)
     cfg = container.config
+    chunk = args.prefill_chunk or DEFAULT_PREFILL_CHUNK
     if len(prompt) + args.max_new > cfg.max_position_embeddings:
         raise WasteError(f"context of {len(prompt) + args.max_new} tokens (prompt {len(prompt)} + --max-new "
                          f"{args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
@@ -100,7 +101,7 @@ def cmd_run(args: Any) -> int:
     if args.expert_cache is None:
         # Plan against the context this run reaches (a resumed session adds its own tokens,
         # which the planner cannot know before the session is read: its state is small).
-        memory = plan_run_memory(container, len(prompt) + args.max_new, chunk=args.prefill_chunk,
+        memory = plan_run_memory(container, len(prompt) + args.max_new, chunk=chunk,
                                  pass_tokens=PREFILL_PASS_TOKENS, all_logits=bool(args.logits_out))
         budget = None if memory.experts_fit else memory.cache_budget
         if not memory.experts_fit:
@@ -130,7 +131,7 @@ def cmd_run(args: Any) -> int:
                          f"--max-new {args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
     recorder = TraceRecorder(cfg.num_layers, cfg.moe_layers, cfg.num_experts_per_token) if args.trace_out else None
     on_token, finish = text_printer(tokenizer, sys.stdout) if tokenizer else (None, None)
-    run = generate(model, session, prompt, args.max_new, sampler, chunk=args.prefill_chunk, observer=recorder,
+    run = generate(model, session, prompt, args.max_new, sampler, chunk=chunk, observer=recorder,
                    all_prompt_logits=bool(args.logits_out), on_token=on_token)
     if finish is not None:
         finish()
@@ -173,6 +174,7 @@ def cmd_run(args: Any) -> int:
 def cmd_check(args: Any) -> int:
     from waste.container.reader import open_container
     from waste.engine.check import check_against_oracle
+    from waste.engine.model import DEFAULT_PREFILL_CHUNK
 
     container = open_container(args.container, verify=not args.no_verify)
     cfg = container.config
@@ -187,8 +189,8 @@ def cmd_check(args: Any) -> int:
 
         source = CheckpointSource(args.source)
         check_source_matches(source, container)
-    report = check_against_oracle(container, prompt, args.new, chunk=args.prefill_chunk, tolerance=args.tolerance,
-                                  source=source)
+    report = check_against_oracle(container, prompt, args.new, chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+                                  tolerance=args.tolerance, source=source)
     print(report.format())
     sys.stdout.flush()
     if not report.passed:

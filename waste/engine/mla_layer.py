@@ -2,9 +2,11 @@
 
 The cache keeps, per token, the normalised KV latent (R = kv_lora_rank values) and the shared
 rope part of the key (P = qk_rope_head_dim values, unrotated: `mla_use_nope`), 576 values for
-the real models. Attention never re-expands the cache: W_UK (the key half of kv_b_proj) is
-absorbed into the query, W_UV (the value half) is applied to the attended latent afterwards,
-both per head and both prepared once at load as float32.
+the real models. W_UK and W_UV (the key and value halves of kv_b_proj, per head) are prepared
+once at load as float32. Decode works in the latent space: W_UK is absorbed into the query,
+W_UV applied to the attended latent afterwards. Prefill expands each head's keys and values
+from the cache once per call and attends ordinarily (`waste.kernels.mla`), which costs a
+third as much per query-key pair.
 
 Query forms: `q_proj` when `q_lora_rank` is null (Kimi-Linear); `q_a_proj` -> `q_a_layernorm`
 -> `q_b_proj` otherwise (K3). The K3 output gate (`mla_use_output_gate`) multiplies the
@@ -25,7 +27,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
-from waste.kernels.mla import heads_times, mla_decode, mla_prefill
+from waste.kernels.mla import heads_dot, heads_times, mla_decode, mla_prefill
 from waste.kernels.quant import QMatrix
 
 GetMatrix = Callable[[str], QMatrix]
@@ -63,7 +65,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 class MLALayer:
-    """Absorbed-latent MLA: `prefill` for a chunk, `decode` for one token."""
+    """MLA over the latent cache: `prefill` for many tokens (expanded), `decode` for one (absorbed)."""
 
     def __init__(
         self,
@@ -90,8 +92,8 @@ class MLALayer:
         self.kv_a_proj, self.kv_a_norm = kv_a_proj, kv_a_norm
         self.o_proj, self.g_proj = o_proj, g_proj
         w = np.asarray(kv_b, np.float32).reshape(self.H, self.nope + self.v_dim, self.R)
-        self.w_uk = np.ascontiguousarray(w[:, : self.nope, :])  # [H, nope, R]: q_nope -> latent space
-        self.w_uv_t = np.ascontiguousarray(w[:, self.nope :, :].transpose(0, 2, 1))  # [H, R, V]: latent -> value
+        self.w_uk = np.ascontiguousarray(w[:, : self.nope, :])  # [H, nope, R]: latent -> key, q_nope -> latent
+        self.w_uv = np.ascontiguousarray(w[:, self.nope :, :])  # [H, V, R]: latent -> value
         self.attention_weights_last: np.ndarray | None = None  # [H, ctx] of the last decode
 
     @classmethod
@@ -146,15 +148,18 @@ class MLALayer:
         return MLACache(np.zeros((capacity, self.latent_size), np.float32), 0)
 
     def _queries(self, x: np.ndarray) -> np.ndarray:
-        """x [T, hidden] -> absorbed queries [T, H, R + P]."""
-        T = x.shape[0]
+        """x [T, hidden] -> queries [T, H, nope + P]."""
         if self.q_proj is not None:
             q = self.q_proj.matmul(x)
         else:
             q = self.q_b_proj.matmul(_rms_norm(self.q_a_proj.matmul(x), self.q_a_norm, self.eps))
-        q = q.reshape(T, self.H, self.nope + self.rope)
-        q_abs = np.empty((T, self.H, self.latent_size), np.float32)
-        # Per head [T, nope] @ [nope, R] in a kernel whose rows do not depend on T (chunk-invariant prefill).
+        return q.reshape(x.shape[0], self.H, self.nope + self.rope)
+
+    def _absorbed_queries(self, x: np.ndarray) -> np.ndarray:
+        """x [T, hidden] -> absorbed queries [T, H, R + P] (W_UK^T q_nope, then q_rope)."""
+        q = self._queries(x)
+        q_abs = np.empty((x.shape[0], self.H, self.latent_size), np.float32)
+        # Per head [T, nope] @ [nope, R] in a kernel whose rows do not depend on T.
         q_abs[:, :, : self.R] = heads_times(q[:, :, : self.nope], self.w_uk)
         q_abs[:, :, self.R :] = q[:, :, self.nope :]
         return q_abs
@@ -165,10 +170,9 @@ class MLALayer:
         ckv[:, : self.R] = _rms_norm(ckv[:, : self.R], self.kv_a_norm, self.eps)
         return ckv
 
-    def _output(self, x: np.ndarray, o_lat: np.ndarray) -> np.ndarray:
-        """Attended latents o_lat [T, H, R] -> y [T, hidden] through W_UV, the gate and o_proj."""
-        T = o_lat.shape[0]
-        o = heads_times(o_lat, self.w_uv_t).reshape(T, self.H * self.v_dim)
+    def _output(self, x: np.ndarray, o: np.ndarray) -> np.ndarray:
+        """Head outputs o [T, H, V] -> y [T, hidden] through the gate and o_proj."""
+        o = o.reshape(o.shape[0], self.H * self.v_dim)
         if self.g_proj is not None:
             o = o * _sigmoid(self.g_proj.matmul(x))
         return self.o_proj.matmul(np.ascontiguousarray(o, np.float32))
@@ -185,23 +189,25 @@ class MLALayer:
         return start
 
     def prefill(self, x: np.ndarray, cache: MLACache) -> np.ndarray:
-        """Append the chunk's latents and attend causally over cache + chunk: x [T, hidden] -> y [T, hidden]."""
+        """Append the tokens' latents and attend causally over the cache, in the expanded form:
+        x [T, hidden] -> y [T, hidden]. The keys and values of the whole cache are expanded once
+        per call, so one call for many tokens costs less than several for fewer."""
         x = np.ascontiguousarray(x, np.float32)
         if x.ndim != 2:
             raise WasteError(f"MLA prefill input must be [T, hidden], got shape {x.shape}")
-        q_abs = self._queries(x)
+        q = self._queries(x)
         start = self._append(x, cache)
-        o_lat = mla_prefill(q_abs, cache.latent, start, self.scale, self.R)
-        return self._output(x, o_lat)
+        o = mla_prefill(q, cache.latent, start, self.scale, self.w_uk, self.w_uv)
+        return self._output(x, o)
 
     def decode(self, x: np.ndarray, cache: MLACache) -> np.ndarray:
         """One token: append its latent and attend over the whole cache, x [hidden] -> y [hidden]."""
         x = np.ascontiguousarray(x, np.float32).reshape(1, -1)
-        q_abs = self._queries(x)[0]
+        q_abs = self._absorbed_queries(x)[0]
         self._append(x, cache)
         o_lat, probs = mla_decode(q_abs, cache.latent, cache.length, self.scale, self.R)
         self.attention_weights_last = probs
-        return self._output(x, o_lat[None])[0]
+        return self._output(x, heads_dot(o_lat[None], self.w_uv))[0]
 
     def inspect_decode(self, x: np.ndarray, cache: MLACache) -> dict[str, np.ndarray]:
         """Decode one token on a copy of the cache (the cache is left unchanged).
@@ -215,6 +221,6 @@ class MLALayer:
         return {
             "y": y,
             "probs": self.attention_weights_last,
-            "q_abs": self._queries(x2)[0],
+            "q_abs": self._absorbed_queries(x2)[0],
             "latent": work.latent[work.length - 1].copy(),
         }

@@ -10,11 +10,14 @@ RMSNorm reads a depth-attention mix of block summaries instead of h; `waste.engi
 the MoE is latent (`waste.engine.latent_moe`), and every MLP uses the SiTU activation.
 
 Prefill is layer-major over passes of up to PREFILL_PASS_TOKENS prompt tokens: each layer
-takes the whole pass before the next layer starts. Attention walks the pass in chunks of
-`chunk` tokens (its state carries from chunk to chunk); the FFN takes the whole pass at once,
-so each routed expert the pass uses is fetched once per layer (one store `get` per layer and
-pass): a prompt of up to PREFILL_PASS_TOKENS tokens never reads more expert bytes than the
-model holds, whatever the cache budget. Decode runs one token with the recurrent KDA step
+takes the whole pass before the next layer starts. KDA walks the pass in chunks of `chunk`
+tokens (its state carries from chunk to chunk; the chunk sets how many rows its projections
+take at once, and the lm_head's when every position's logits are asked for). MLA takes the
+whole pass in one call (it expands the cached keys and values once per call), and so does the
+FFN, so each routed expert the pass uses is fetched once per layer (one store `get` per layer
+and pass): a prompt of up to PREFILL_PASS_TOKENS tokens never reads more expert bytes than the
+model holds, whatever the cache budget. Every position's output is the same whatever the
+chunk and the pass boundaries (issue 13). Decode runs one token with the recurrent KDA step
 and MLA attention in the latent space.
 """
 
@@ -154,7 +157,7 @@ class Model:
     def _layers(self, h: np.ndarray, positions: np.ndarray, session: Session, phase: str,
                 observer: Observer | None, chunk: int = 1) -> np.ndarray:
         """Run the embedding h [T, hidden] through every layer, layer-major -> what the final norm
-        reads; attention takes `chunk` rows at a time (in order, so its state carries over), the
+        reads; KDA takes `chunk` rows at a time (in order, so its state carries over), MLA and the
         FFN all T rows at once. T == 1 with phase 'decode' uses the decode paths."""
         cfg, times = self.config, self.times
         decode = phase == "decode"
@@ -167,6 +170,9 @@ class Model:
             state = session.kda[i] if kind == "kda" else session.mla[i]
             if decode:
                 a = self.attn[i].decode(x[0], state)[None, :]
+            elif kind == "mla":
+                # The whole pass at once: MLA prefill expands the cached keys and values once per call.
+                a = self.attn[i].prefill(x, state)
             else:
                 a = np.empty_like(x)
                 for start in range(0, x.shape[0], chunk):

@@ -26,8 +26,8 @@ from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels.fastmath import fexp, fsigmoid, fsoftplus
 
 L2_EPS = 1e-6
-# recurrent_kda prepares the normalised q, k, decays and block coefficients of this many
-# tokens of one head at once (about 10 x 64 x K floats, in L2); a multiple of 4.
+# recurrent_kda prepares the normalised q, k and decays of this many tokens of one head at once
+# (about 6 x 64 x K floats, in L2).
 SEQ_TILE_T = 64
 
 
@@ -206,14 +206,12 @@ def _recurrent_kernel(q, k, v, g, beta, scale, l2norm_qk, state, o):
 
 @kernel
 def _recurrent_head(q, k, v, g, beta, scale, l2norm_qk, state, o, h):
-    """All T tokens of head h, four at a time (docs/KDA.md, "recurrence in blocks of four").
+    """All T tokens of head h, one state pass per token (docs/KDA.md, "recurrence over a sequence").
 
-    With A_m the decay accumulated from the block start through token m and P(r, m] the decay
-    between tokens r and m, one read of each state column gives u_m' = S^T (A_m k_m) and
-    w_m' = S^T (A_m q_m) for the four tokens; the deltas then follow by scalar corrections,
-    u_m = u_m' + sum_{r<m} d_r (k_m . P(r,m] k_r), and one write applies the whole block,
-    S = Diag(A_4) S + sum_r (P(r,4] k_r) d_r^T. A tail shorter than four is padded with
-    tokens that change nothing (k = q = 0, decay 1, beta 0).
+    Each token reads and updates the state on its own, so a token's arithmetic does not depend
+    on where the call began: prefill cut anywhere gives the same bits (issue 13). (Blocks of
+    four tokens per state pass, as before, rounded a block differently from four single tokens,
+    so a prompt cut into other chunks drifted by an ulp.)
     """
     T, H, K = q.shape
     V = v.shape[2]
@@ -227,65 +225,25 @@ def _recurrent_head(q, k, v, g, beta, scale, l2norm_qk, state, o, h):
     qs = np.empty((NT, K), np.float32)  # normalised, scaled q
     kn = np.empty((NT, K), np.float32)  # normalised k
     a = np.empty((NT, K), np.float32)  # exp(g)
-    ck = np.empty((NT, K), np.float32)  # A_m k_m
-    cq = np.empty((NT, K), np.float32)  # A_m q_m
-    ek = np.empty((NT, K), np.float32)  # P(m, 4] k_m
-    ablk = np.empty((NT // 4, K), np.float32)  # A_4 per block
-    co = np.empty((NT, 8), np.float32)  # per token: beta, q.k, then k_m.P k_r (3), q_m.P k_r (3)
+    ck = np.empty((NT, K), np.float32)  # a k
+    cq = np.empty((NT, K), np.float32)  # a q
+    co = np.empty((NT, 2), np.float32)  # per token: beta, q.k
     vt = np.empty((NT, V), np.float32)
     ot = np.empty((NT, V), np.float32)
-    P = np.empty(K, np.float32)
     for t0 in range(0, T, NT):
         nt = min(NT, T - t0)
-        nb = (nt + 3) // 4
-        for tt in range(nb * 4):
+        for tt in range(nt):
             t = t0 + tt
-            if tt < nt:
-                co[tt, 0] = beta[t, h]
-                co[tt, 1] = normalise_token(q[t, h], k[t, h], scale, l2norm_qk, qs[tt], kn[tt])
-                for i in range(K):
-                    a[tt, i] = fexp(g[t, h, i])
-                for j in range(V):
-                    vt[tt, j] = v[t, h, j]
-            else:
-                co[tt, 0] = 0.0
-                co[tt, 1] = 0.0
-                for i in range(K):
-                    qs[tt, i] = 0.0
-                    kn[tt, i] = 0.0
-                    a[tt, i] = 1.0
-                for j in range(V):
-                    vt[tt, j] = 0.0
-        for blk in range(nb):
-            b0 = 4 * blk
-            # A_m k_m and A_m q_m: cumulative decay from the block start
+            co[tt, 0] = beta[t, h]
+            co[tt, 1] = normalise_token(q[t, h], k[t, h], scale, l2norm_qk, qs[tt], kn[tt])
             for i in range(K):
-                P[i] = 1.0
-            for m in range(4):
-                for i in range(K):
-                    P[i] *= a[b0 + m, i]
-                    ck[b0 + m, i] = P[i] * kn[b0 + m, i]
-                    cq[b0 + m, i] = P[i] * qs[b0 + m, i]
-            for i in range(K):
-                ablk[blk, i] = P[i]
-            # P(r, m] for r < m: the pair coefficients, and P(r, 4] k_r for the write
-            for r in range(4):
-                for i in range(K):
-                    P[i] = 1.0
-                for m in range(r + 1, 4):
-                    sk = np.float32(0.0)
-                    sq = np.float32(0.0)
-                    for i in range(K):
-                        P[i] *= a[b0 + m, i]
-                        pk = P[i] * kn[b0 + r, i]
-                        sk += kn[b0 + m, i] * pk
-                        sq += qs[b0 + m, i] * pk
-                    co[b0 + m, 2 + r] = sk
-                    co[b0 + m, 5 + r] = sq
-                for i in range(K):
-                    ek[b0 + r, i] = P[i] * kn[b0 + r, i]
-        for blk in range(nb):
-            _four_tokens(ST, 4 * blk, ck, cq, ek, ablk[blk], co, vt, ot)
+                a[tt, i] = fexp(g[t, h, i])
+                ck[tt, i] = a[tt, i] * kn[tt, i]
+                cq[tt, i] = a[tt, i] * qs[tt, i]
+            for j in range(V):
+                vt[tt, j] = v[t, h, j]
+        for tt in range(nt):
+            _one_token(ST, ck[tt], cq[tt], kn[tt], a[tt], co[tt, 0], co[tt, 1], vt[tt], ot[tt])
         for tt in range(nt):
             for j in range(V):
                 o[t0 + tt, h, j] = ot[tt, j]
@@ -295,50 +253,22 @@ def _recurrent_head(q, k, v, g, beta, scale, l2norm_qk, state, o, h):
 
 
 @kernel
-def _four_tokens(ST, b0, ck, cq, ek, ab, co, vt, ot):
-    """The transposed state ST [V, K] through tokens b0..b0+3 of the tile, one value column at a time."""
+def _one_token(ST, ck, cq, kn, a, b, p, v, o):
+    """The transposed state ST [V, K] through one token, one value column at a time:
+    u = S^T (a k), d = beta (v - u), o = S^T (a q) + (q . k) d, S = Diag(a) S + k d^T."""
     V, K = ST.shape
-    c1k, c2k, c3k, c4k = ck[b0], ck[b0 + 1], ck[b0 + 2], ck[b0 + 3]
-    c1q, c2q, c3q, c4q = cq[b0], cq[b0 + 1], cq[b0 + 2], cq[b0 + 3]
-    e1, e2, e3, e4 = ek[b0], ek[b0 + 1], ek[b0 + 2], ek[b0 + 3]
-    v1, v2, v3, v4 = vt[b0], vt[b0 + 1], vt[b0 + 2], vt[b0 + 3]
-    o1, o2, o3, o4 = ot[b0], ot[b0 + 1], ot[b0 + 2], ot[b0 + 3]
-    b1, b2, b3, b4 = co[b0, 0], co[b0 + 1, 0], co[b0 + 2, 0], co[b0 + 3, 0]
-    p1, p2, p3, p4 = co[b0, 1], co[b0 + 1, 1], co[b0 + 2, 1], co[b0 + 3, 1]
-    k21, k31, k32 = co[b0 + 1, 2], co[b0 + 2, 2], co[b0 + 2, 3]
-    k41, k42, k43 = co[b0 + 3, 2], co[b0 + 3, 3], co[b0 + 3, 4]
-    l21, l31, l32 = co[b0 + 1, 5], co[b0 + 2, 5], co[b0 + 2, 6]
-    l41, l42, l43 = co[b0 + 3, 5], co[b0 + 3, 6], co[b0 + 3, 7]
     for j in range(V):
         s = ST[j]
-        u1 = np.float32(0.0)
-        u2 = np.float32(0.0)
-        u3 = np.float32(0.0)
-        u4 = np.float32(0.0)
-        w1 = np.float32(0.0)
-        w2 = np.float32(0.0)
-        w3 = np.float32(0.0)
-        w4 = np.float32(0.0)
+        u = np.float32(0.0)
+        w = np.float32(0.0)
         for i in range(K):
             x = s[i]
-            u1 += c1k[i] * x
-            w1 += c1q[i] * x
-            u2 += c2k[i] * x
-            w2 += c2q[i] * x
-            u3 += c3k[i] * x
-            w3 += c3q[i] * x
-            u4 += c4k[i] * x
-            w4 += c4q[i] * x
-        d1 = b1 * (v1[j] - u1)
-        o1[j] = w1 + p1 * d1
-        d2 = b2 * (v2[j] - (u2 + k21 * d1))
-        o2[j] = w2 + l21 * d1 + p2 * d2
-        d3 = b3 * (v3[j] - (u3 + k31 * d1 + k32 * d2))
-        o3[j] = w3 + l31 * d1 + l32 * d2 + p3 * d3
-        d4 = b4 * (v4[j] - (u4 + k41 * d1 + k42 * d2 + k43 * d3))
-        o4[j] = w4 + l41 * d1 + l42 * d2 + l43 * d3 + p4 * d4
+            u += ck[i] * x
+            w += cq[i] * x
+        d = b * (v[j] - u)
+        o[j] = w + p * d
         for i in range(K):
-            s[i] = ab[i] * s[i] + e1[i] * d1 + e2[i] * d2 + e3[i] * d3 + e4[i] * d4
+            s[i] = a[i] * s[i] + kn[i] * d
 
 
 def check_kda_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,

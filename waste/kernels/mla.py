@@ -1,25 +1,41 @@
-"""Latent attention (MLA) over the compressed cache: absorbed decode and causal chunk prefill.
+"""Latent attention (MLA) over the compressed cache: absorbed decode, expanded prefill.
 
-The cache holds one row of D = R + P values per token: the normalised KV latent (R =
+The cache holds one row of D = R + P values per token: the normalised KV latent c (R =
 kv_lora_rank) followed by the shared, unrotated rope part of the key (P = qk_rope_head_dim).
-With the key up-projection absorbed into the query, head h's query is one D-vector
-`q_abs[h] = [W_UK[h]^T q_nope[h] | q_rope[h]]`, so its score against cached token j is a plain
-dot product with the cached row, and its output is the probability-weighted sum of the cached
-latents (first R values), mapped to the value space by W_UV[h] outside these kernels.
-Nothing here ever expands the cache into per-head keys or values.
+Head h's key is [W_UK[h] c | k_rope] and its value W_UV[h] c (W_UK, W_UV [H, nope or V, R]).
 
-Decode is a Numba kernel: blocks of cached rows shared by all heads, scored four heads by two
-rows at a time (eight independent sums) and summed two heads by four rows at a time.
-Prefill runs each query through the same decode kernel over exactly its causal prefix, so a
-query's output depends only on its position and the cache, never on how the prompt was cut
-into chunks: prefill is chunk-invariant bit for bit (issue 13), and equals decode. BLAS
-products were 1.5x faster at the Kimi-Linear shape, but their results depend on the number of
-rows in the call (OpenBLAS picks edge kernels by the row count), which broke bit-exact session
-resume on AVX2 machines. The per-head absorption products (W_UK into the query, W_UV out of
-the latent) are a Numba kernel for the same reason (`heads_times`).
+Decode (one query) keeps the absorbed form: the query becomes one D-vector
+`q_abs[h] = [W_UK[h]^T q_nope[h] | q_rope[h]]`, scored by a plain dot product with each cached
+row, and its output is the probability-weighted sum of the cached latents (first R values),
+mapped to the value space by W_UV[h] outside the kernel: D + R = 1088 multiply-adds per cached
+token and head at the Kimi shape, and the cache is never expanded. A Numba kernel: blocks of
+cached rows shared by all heads, scored four heads by two rows at a time (eight independent
+sums) and summed two heads by four rows at a time.
 
-Shapes: q_abs [H, D] (decode) or [T, H, D] (prefill); latent [capacity, D]; output
-[H, R] or [T, H, R]; probs [H, n] with n the number of cached tokens attended.
+Prefill (many queries) expands instead (`mla_prefill`): per head and per block of KEY_BLOCK
+cached tokens it forms the keys [W_UK c | k_rope] and values W_UV c once, then every query of
+the call that sees the block scores it (nope + P) and adds its values (V): 320 multiply-adds
+per query-key pair and head instead of 1088, plus R (nope + V) per cached token and head for
+the expansion, shared by all the call's queries (the engine gives MLA a whole prefill pass at
+once). The absorbed form spends as much per query on absorbing it and its output, so a prompt
+from an empty cache always gains; a short call over a long cache loses (below about
+R (nope + V) / (1088 - 320) = 170 queries at the Kimi shape). Softmax is online: a running max
+and sum per query, rescaled from block to block.
+
+Chunk invariance (issue 13): a query's output depends only on its position and the cache,
+never on how the prompt was cut into calls, so a resumed session equals a straight run bit for
+bit. Blocks start at multiples of KEY_BLOCK in absolute position, so every key is expanded,
+paired and grouped alike in every cut. Queries go four at a time (QUERY_TILE; a short last
+tile repeats its last query): four queries by two keys make eight independent sums in one
+loop, which the compiler vectorises alike, so a query's scores do not depend on its slot or
+its neighbours. Each query's softmax is its own; its weights past its causal horizon are zero
+and add exactly nothing to the value sums, which take KEY_GROUP rows at a time in one fixed
+expression. No BLAS (its results depend on the row count of the call). The per-head products
+of decode (W_UK into the query, W_UV out of the latent) are Numba kernels for the same reason.
+tests/kernels/test_mla.py cuts prompts at and around block and tile boundaries.
+
+Shapes: q_abs [H, D] (decode); q [T, H, nope + P] (prefill); latent [capacity, D]; w_uk
+[H, nope, R]; w_uv [H, V, R]; decode output [H, R], prefill output [T, H, V]; probs [H, n].
 """
 
 from __future__ import annotations
@@ -27,11 +43,18 @@ from __future__ import annotations
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import num_threads, parallel_kernel, prange
+from waste.jit import kernel, num_threads, parallel_kernel, prange
+from waste.kernels.fastmath import fexp
 
 # Cached rows per block in the decode kernel (16 rows x 576 values = 36 KiB); measured best of
 # 1..64 at H=32, 4096 tokens on the 2-core dev machine.
 DECODE_BLOCK = 16
+# Prefill: cached tokens expanded per head at once (from multiples of KEY_BLOCK in absolute
+# position; their keys and values, 80 KiB at the Kimi shape, stay in L2 while every query of
+# the call attends to them), value rows summed at once, and queries that share each load.
+KEY_BLOCK = 64
+KEY_GROUP = 8
+QUERY_TILE = 4
 
 
 @parallel_kernel
@@ -175,6 +198,234 @@ def heads_times(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return y
 
 
+@kernel
+def _dots8(x, w, r0, n, out, o0):
+    """out[o0 + i] = x[:n] . w[r0 + i, :n] for i < 8: eight independent sums over n."""
+    w0, w1, w2, w3 = w[r0], w[r0 + 1], w[r0 + 2], w[r0 + 3]
+    w4, w5, w6, w7 = w[r0 + 4], w[r0 + 5], w[r0 + 6], w[r0 + 7]
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    a4 = np.float32(0.0)
+    a5 = np.float32(0.0)
+    a6 = np.float32(0.0)
+    a7 = np.float32(0.0)
+    for a in range(n):
+        xa = x[a]
+        a0 += xa * w0[a]
+        a1 += xa * w1[a]
+        a2 += xa * w2[a]
+        a3 += xa * w3[a]
+        a4 += xa * w4[a]
+        a5 += xa * w5[a]
+        a6 += xa * w6[a]
+        a7 += xa * w7[a]
+    out[o0] = a0
+    out[o0 + 1] = a1
+    out[o0 + 2] = a2
+    out[o0 + 3] = a3
+    out[o0 + 4] = a4
+    out[o0 + 5] = a5
+    out[o0 + 6] = a6
+    out[o0 + 7] = a7
+
+
+@kernel
+def _rows_dot(x, w, n, out):
+    """out[o] = x[:n] . w[o, :n] for every row o of w [B, >= n]: by eights, then one at a time."""
+    B = w.shape[0]
+    for o in range(0, B - B % 8, 8):
+        _dots8(x, w, o, n, out, o)
+    for o in range(B - B % 8, B):
+        acc = np.float32(0.0)
+        for a in range(n):
+            acc += x[a] * w[o, a]
+        out[o] = acc
+
+
+@parallel_kernel
+def _heads_dot(x, w, y):
+    T, H, A = x.shape
+    for h in prange(H):
+        for t in range(T):
+            _rows_dot(x[t, h], w[h], A, y[t, h])
+
+
+def heads_dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per-head products y[t, h] = w[h] @ x[t, h] for x [T, H, A], w [H, B, A] -> [T, H, B]
+    float32; each output is one dot product whatever T is (decode's W_UV out of the latent)."""
+    x = np.ascontiguousarray(x, np.float32)
+    w = np.ascontiguousarray(w, np.float32)
+    if x.ndim != 3 or w.ndim != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise WasteError(f"per-head product needs x [T, H, A] and w [H, B, A], got {x.shape} and {w.shape}")
+    y = np.empty((x.shape[0], x.shape[1], w.shape[1]), np.float32)
+    _heads_dot(x, w, y)
+    return y
+
+
+@kernel
+def _expand(latent, jb, rows, kv_rank, w, out):
+    """out[i, o] = w[o] . latent[jb + i, :kv_rank] for i < rows and every row o of w [B, R]:
+    eight weight rows at a time against every cached row (the weights stay in L1)."""
+    B = w.shape[0]
+    for o in range(0, B - B % 8, 8):
+        for i in range(rows):
+            _dots8(latent[jb + i], w, o, kv_rank, out[i], o)
+    for o in range(B - B % 8, B):
+        for i in range(rows):
+            c = latent[jb + i]
+            acc = np.float32(0.0)
+            for a in range(kv_rank):
+                acc += c[a] * w[o, a]
+            out[i, o] = acc
+
+
+@kernel
+def _expand_block(latent, jb, n, kv_rank, w_uk, w_uv, keys, values):
+    """Rows jb.. of the cache (those below n) -> keys [KEY_BLOCK, nope + P] = [W_UK c | k_rope]
+    and values [KEY_BLOCK, V] = W_UV c for one head; rows at or past n are zeroed."""
+    nope = w_uk.shape[0]
+    rows = min(keys.shape[0], n - jb)
+    _expand(latent, jb, rows, kv_rank, w_uk, keys)
+    _expand(latent, jb, rows, kv_rank, w_uv, values)
+    for i in range(rows):
+        for p in range(keys.shape[1] - nope):
+            keys[i, nope + p] = latent[jb + i, kv_rank + p]
+    for i in range(rows, keys.shape[0]):
+        keys[i, :] = 0.0
+        values[i, :] = 0.0
+
+
+@kernel
+def _score_tile(qs, t0, keys, nk, scale, scores):
+    """scores[i, j] = scale * qs[t0 + i] . keys[j] for the QUERY_TILE queries t0.. and the key
+    pairs covering j < nk: four queries by two keys at a time (eight independent sums)."""
+    QK = keys.shape[1]
+    q0, q1, q2, q3 = qs[t0], qs[t0 + 1], qs[t0 + 2], qs[t0 + 3]
+    for j in range(0, nk, 2):
+        ka, kb = keys[j], keys[j + 1]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        b0 = np.float32(0.0)
+        b1 = np.float32(0.0)
+        b2 = np.float32(0.0)
+        b3 = np.float32(0.0)
+        for d in range(QK):
+            x = ka[d]
+            y = kb[d]
+            a0 += q0[d] * x
+            a1 += q1[d] * x
+            a2 += q2[d] * x
+            a3 += q3[d] * x
+            b0 += q0[d] * y
+            b1 += q1[d] * y
+            b2 += q2[d] * y
+            b3 += q3[d] * y
+        scores[0, j] = a0 * scale
+        scores[1, j] = a1 * scale
+        scores[2, j] = a2 * scale
+        scores[3, j] = a3 * scale
+        scores[0, j + 1] = b0 * scale
+        scores[1, j + 1] = b1 * scale
+        scores[2, j + 1] = b2 * scale
+        scores[3, j + 1] = b3 * scale
+
+
+@kernel
+def _softmax_step(s, nk, width, run, t, acc):
+    """Online softmax of one query over its nk scores s[:nk] (nk may be <= 0: no keys here).
+
+    Leaves exp(s - max) in s[:nk] and zeros in s[nk:width]; updates the running max run[0, t] and
+    sum run[1, t], rescaling the unnormalised output acc [V] when the max rises."""
+    top = np.float32(-np.inf)
+    for j in range(nk):
+        top = max(top, s[j])
+    old = run[0, t]
+    new = max(old, top)
+    total = np.float32(0.0)
+    for j in range(nk):
+        e = fexp(s[j] - new)
+        s[j] = e
+        total += e
+    for j in range(max(nk, 0), width):
+        s[j] = 0.0
+    if new > old:
+        # exp(-inf) = 0 on the query's first block, where acc and the sum are still zero
+        alpha = fexp(old - new)
+        run[1, t] *= alpha
+        for v in range(acc.shape[0]):
+            acc[v] *= alpha
+        run[0, t] = new
+    run[1, t] += total
+
+
+@kernel
+def _accumulate_tile(scores, values, width, acc, t0):
+    """acc[t0 + i] += sum_j scores[i, j] values[j] over j < width (a multiple of KEY_GROUP) for the
+    QUERY_TILE queries t0..: eight value rows at a time, each loaded once for the four queries.
+    A score of zero adds exactly nothing, so each query's sum is its own whatever the tile."""
+    V = values.shape[1]
+    c0, c1, c2, c3 = acc[t0], acc[t0 + 1], acc[t0 + 2], acc[t0 + 3]
+    s0, s1, s2, s3 = scores[0], scores[1], scores[2], scores[3]
+    for j in range(0, width, KEY_GROUP):
+        v0, v1, v2, v3 = values[j], values[j + 1], values[j + 2], values[j + 3]
+        v4, v5, v6, v7 = values[j + 4], values[j + 5], values[j + 6], values[j + 7]
+        # the 32 weights as scalars, so the loop below keeps them in registers
+        p00, p01, p02, p03, p04, p05, p06, p07 = s0[j], s0[j + 1], s0[j + 2], s0[j + 3], \
+            s0[j + 4], s0[j + 5], s0[j + 6], s0[j + 7]
+        p10, p11, p12, p13, p14, p15, p16, p17 = s1[j], s1[j + 1], s1[j + 2], s1[j + 3], \
+            s1[j + 4], s1[j + 5], s1[j + 6], s1[j + 7]
+        p20, p21, p22, p23, p24, p25, p26, p27 = s2[j], s2[j + 1], s2[j + 2], s2[j + 3], \
+            s2[j + 4], s2[j + 5], s2[j + 6], s2[j + 7]
+        p30, p31, p32, p33, p34, p35, p36, p37 = s3[j], s3[j + 1], s3[j + 2], s3[j + 3], \
+            s3[j + 4], s3[j + 5], s3[j + 6], s3[j + 7]
+        for v in range(V):
+            x0, x1, x2, x3, x4, x5, x6, x7 = v0[v], v1[v], v2[v], v3[v], v4[v], v5[v], v6[v], v7[v]
+            c0[v] += ((p00 * x0 + p01 * x1) + (p02 * x2 + p03 * x3)) + ((p04 * x4 + p05 * x5) + (p06 * x6 + p07 * x7))
+            c1[v] += ((p10 * x0 + p11 * x1) + (p12 * x2 + p13 * x3)) + ((p14 * x4 + p15 * x5) + (p16 * x6 + p17 * x7))
+            c2[v] += ((p20 * x0 + p21 * x1) + (p22 * x2 + p23 * x3)) + ((p24 * x4 + p25 * x5) + (p26 * x6 + p27 * x7))
+            c3[v] += ((p30 * x0 + p31 * x1) + (p32 * x2 + p33 * x3)) + ((p34 * x4 + p35 * x5) + (p36 * x6 + p37 * x7))
+
+
+@parallel_kernel
+def _prefill(q, latent, start, scale, kv_rank, w_uk, w_uv, out):
+    T, H, QK = q.shape
+    V = w_uv.shape[1]
+    n = start + T
+    # Queries in tiles of QUERY_TILE; the last tile repeats the last query (its copies discarded).
+    Tp = (T + QUERY_TILE - 1) // QUERY_TILE * QUERY_TILE
+    for h in prange(H):
+        qs = np.empty((Tp, QK), np.float32)
+        for t in range(Tp):
+            qs[t] = q[min(t, T - 1), h]
+        acc = np.zeros((Tp, V), np.float32)
+        run = np.empty((2, Tp), np.float32)  # running max, running sum
+        run[0] = -np.inf
+        run[1] = 0.0
+        keys = np.empty((KEY_BLOCK, QK), np.float32)
+        values = np.empty((KEY_BLOCK, V), np.float32)
+        scores = np.empty((QUERY_TILE, KEY_BLOCK), np.float32)
+        for jb in range(0, n, KEY_BLOCK):
+            _expand_block(latent, jb, n, kv_rank, w_uk[h], w_uv[h], keys, values)
+            for t0 in range(max(0, jb - start) // QUERY_TILE * QUERY_TILE, Tp, QUERY_TILE):
+                # keys of this block seen by the tile's last query (the tile's earlier ones see fewer)
+                nk = min(KEY_BLOCK, start + min(t0 + QUERY_TILE, T) - jb)
+                width = (nk + KEY_GROUP - 1) // KEY_GROUP * KEY_GROUP
+                _score_tile(qs, t0, keys, nk, scale, scores)
+                for i in range(QUERY_TILE):
+                    t = t0 + i
+                    seen = min(KEY_BLOCK, start + min(t, T - 1) + 1 - jb)
+                    _softmax_step(scores[i], seen, width, run, t, acc[t])
+                _accumulate_tile(scores, values, width, acc, t0)
+        for t in range(T):
+            inv = np.float32(1.0) / run[1, t]
+            for v in range(V):
+                out[t, h, v] = acc[t, v] * inv
+
+
 def _check_latent(latent: np.ndarray, q_width: int, kv_rank: int) -> None:
     if latent.dtype != np.float32 or latent.ndim != 2 or not latent.flags.c_contiguous:
         raise WasteError(f"MLA latent cache must be a C-contiguous float32 [capacity, D] array, got {latent.dtype} "
@@ -216,31 +467,40 @@ def mla_decode(
 
 
 def mla_prefill(
-    q_abs: np.ndarray,
+    q: np.ndarray,
     latent: np.ndarray,
     start: int,
     scale: float,
-    kv_rank: int,
+    w_uk: np.ndarray,
+    w_uv: np.ndarray,
     *,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """A chunk of T queries at positions start..start+T-1, causal over cache + chunk.
+    """T queries at positions start..start+T-1, causal over the cache, in the expanded form.
 
-    The chunk's own latents must already sit in rows start..start+T-1 of `latent`.
-    q_abs [T, H, D], latent [capacity, D] -> o_latent [T, H, R].
+    The queries' own latents must already sit in rows start..start+T-1 of `latent`; rows from
+    start+T on are never read. q [T, H, nope + P], latent [capacity, R + P], w_uk [H, nope, R],
+    w_uv [H, V, R] -> o [T, H, V].
     """
-    q_abs = np.ascontiguousarray(q_abs, np.float32)
-    _check_latent(latent, q_abs.shape[2], kv_rank)
-    T, H, _ = q_abs.shape
+    q = np.ascontiguousarray(q, np.float32)
+    w_uk = np.ascontiguousarray(w_uk, np.float32)
+    w_uv = np.ascontiguousarray(w_uv, np.float32)
+    if q.ndim != 3 or w_uk.ndim != 3 or w_uv.ndim != 3:
+        raise WasteError(f"MLA prefill needs q [T, H, nope + P], w_uk [H, nope, R] and w_uv [H, V, R], got "
+                         f"{q.shape}, {w_uk.shape} and {w_uv.shape}")
+    T, H, qk = q.shape
+    nope, kv_rank = w_uk.shape[1], w_uk.shape[2]
+    if w_uk.shape[0] != H or w_uv.shape[0] != H or w_uv.shape[2] != kv_rank or not 0 < nope <= qk:
+        raise WasteError(f"MLA prefill weights do not fit {H} heads of width {qk}: w_uk {w_uk.shape}, "
+                         f"w_uv {w_uv.shape}")
+    _check_latent(latent, kv_rank + qk - nope, kv_rank)
     if start < 0 or start + T > latent.shape[0]:
         raise WasteError(f"MLA prefill of {T} tokens at position {start} exceeds the cache capacity {latent.shape[0]}")
     if out is None:
-        out = np.empty((T, H, kv_rank), np.float32)
-    if out.shape != (T, H, kv_rank):
-        raise WasteError(f"MLA prefill output must be [T, H, R] = {(T, H, kv_rank)}, got {out.shape}")
-    nchunks = max(1, num_threads())
-    for t in range(T):
-        n = start + t + 1
-        probs = np.empty((H, n), np.float32)
-        _decode(q_abs[t], latent, n, np.float32(scale), kv_rank, min(nchunks, n), DECODE_BLOCK, probs, out[t])
+        out = np.empty((T, H, w_uv.shape[1]), np.float32)
+    if out.shape != (T, H, w_uv.shape[1]) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise WasteError(f"MLA prefill output must be a C-contiguous float32 [T, H, V] = {(T, H, w_uv.shape[1])} "
+                         f"array, got {out.dtype} {out.shape}")
+    if T:
+        _prefill(q, latent, start, np.float32(scale), kv_rank, w_uk, w_uv, out)
     return out
