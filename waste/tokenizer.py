@@ -20,7 +20,7 @@ import base64
 import codecs
 import itertools
 import json
-import zlib
+import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -188,41 +188,37 @@ def render_chat_template(template: str, messages: Sequence[dict[str, Any]], add_
         raise WasteError(f"chat template: {e}") from None
 
 
-def _read_ranks(path: Path) -> dict[bytes, int]:
-    """tiktoken.model lines `base64 rank`, read locally (tiktoken's own loader may fetch URLs)."""
+def _parse_ranks(data: bytes, where: Path) -> dict[bytes, int]:
+    """tiktoken.model lines `base64 rank`, parsed locally (tiktoken's own loader may fetch URLs)."""
     ranks: dict[bytes, int] = {}
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as e:
-        raise WasteError(f"{path}: cannot read it ({e.strerror})") from None
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         try:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError:
-            raise WasteError(f"{path}: line {n} is not `base64-token rank`") from None
+            raise WasteError(f"{where}: line {n} is not `base64-token rank`") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise WasteError(f"{path}: ranks are not 0..{len(ranks) - 1}, each once")
+        raise WasteError(f"{where}: ranks are not 0..{len(ranks) - 1}, each once")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise WasteError(f"{path}: {len(missing)} single bytes have no token (first 0x{missing[0]:02X})")
+        raise WasteError(f"{where}: {len(missing)} single bytes have no token (first 0x{missing[0]:02X})")
     return ranks
 
 
-def load_tokenizer(directory: str | Path) -> Tokenizer:
-    """The tokenizer in `directory` (tiktoken.model + tokenizer_config.json), built offline."""
+def tokenizer_from_files(files: dict[str, bytes], directory: Path) -> Tokenizer:
+    """The tokenizer of these file contents (tiktoken.model and, if present, tokenizer_config.json),
+    built offline; `directory` names them in messages."""
     import tiktoken
 
-    directory = Path(directory)
-    ranks = _read_ranks(directory / TIKTOKEN_FILE)
+    ranks = _parse_ranks(files[TIKTOKEN_FILE], directory / TIKTOKEN_FILE)
     try:
-        cfg = json.loads((directory / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        cfg = {}
-    except (OSError, ValueError) as e:
+        cfg = json.loads(files[CONFIG_FILE]) if CONFIG_FILE in files else {}
+    except ValueError as e:
         raise WasteError(f"{directory / CONFIG_FILE}: not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise WasteError(f"{directory / CONFIG_FILE}: not a JSON object")
     named = {int(i): (v["content"] if isinstance(v, dict) else str(v))
              for i, v in (cfg.get("added_tokens_decoder") or {}).items()}
     n = len(ranks)
@@ -237,34 +233,59 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     return Tokenizer(encoding, specials, special("bos_token"), special("eos_token"), cfg.get("chat_template"))
 
 
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer in `directory` (tiktoken.model + tokenizer_config.json), built offline."""
+    directory = Path(directory)
+    files = {}
+    for name in TOKENIZER_FILES:
+        try:
+            files[name] = (directory / name).read_bytes()
+        except FileNotFoundError:
+            if name == TIKTOKEN_FILE:
+                raise WasteError(f"{directory / name}: no such file") from None
+        except OSError as e:
+            raise WasteError(f"{directory / name}: cannot read it ({e.strerror})") from None
+    return tokenizer_from_files(files, directory)
+
+
 def has_tokenizer(directory: str | Path) -> bool:
     return (Path(directory) / TIKTOKEN_FILE).is_file()
 
 
-def container_tokenizer(container_path: str | Path) -> Tokenizer | None:
-    """The tokenizer a container carries (its files checked against the manifest's CRCs), or None."""
-    d = Path(container_path) / CONTAINER_DIR
-    if not has_tokenizer(d):
-        return None
+def container_tokenizer(container: Any) -> Tokenizer | None:
+    """The tokenizer a container carries, or None. `container` is an open Container or a path.
+
+    Its files are read as the container's data is, relative to the container's directory handle
+    and checked against the size and CRC32C the manifest lists (`Container.read_side_file`)."""
+    from waste.container.reader import Container, open_container
+
+    if not isinstance(container, Container):
+        with open_container(container, verify=False) as c:  # the manifest is checked; that is all this needs
+            return container_tokenizer(c)
     try:
-        manifest = json.loads((Path(container_path) / "manifest.json").read_bytes())
-        listed = manifest["source"]["tokenizer"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise WasteError(f"{d}: the container's manifest does not list these tokenizer files") from None
-    for name in TOKENIZER_FILES:
-        path = d / name
-        if name not in listed and not path.exists():
-            continue
-        data = path.read_bytes() if path.is_file() else None
-        if data is None or name not in listed or file_record({name: data})[name] != listed[name]:
-            raise WasteError(f"{path}: does not match the manifest (size or CRC32 differs); the tokenizer is damaged")
-    return load_tokenizer(d)
+        os.stat(f"{CONTAINER_DIR}/{TIKTOKEN_FILE}", dir_fd=container.dir_fd)
+    except FileNotFoundError:
+        return None  # no tokenizer/ (left out of a copy, say): text needs one, token ids do not
+    except OSError:
+        pass  # anything else, reading the file below names
+    source = container.manifest.get("source")
+    listed = source.get("tokenizer") if isinstance(source, dict) else None
+    if not listed:
+        raise WasteError(f"{container.path / CONTAINER_DIR}: the container's manifest does not list these tokenizer "
+                         "files")
+    if not isinstance(listed, dict) or TIKTOKEN_FILE not in listed:
+        raise WasteError(f"{container.path / 'manifest.json'}: source.tokenizer does not list {TIKTOKEN_FILE}")
+    files = {name: container.read_side_file(f"{CONTAINER_DIR}/{name}", record) for name, record in listed.items()
+             if name in TOKENIZER_FILES}
+    return tokenizer_from_files(files, container.path / CONTAINER_DIR)
 
 
-def require_tokenizer(container_path: str | Path) -> Tokenizer:
-    tok = container_tokenizer(container_path)
+def require_tokenizer(container: Any) -> Tokenizer:
+    """The container's tokenizer (an open Container or a path), or one line saying it has none."""
+    tok = container_tokenizer(container)
     if tok is None:
-        raise WasteError(f"{container_path} has no tokenizer (the checkpoint it came from had no tiktoken.model); "
+        where = getattr(container, "path", container)
+        raise WasteError(f"{where} has no tokenizer (the checkpoint it came from had no tiktoken.model); "
                          f"give token ids with --prompt-ids")
     return tok
 
@@ -274,13 +295,16 @@ def tokenizer_file_bytes(hf_dir: str | Path) -> dict[str, bytes]:
     hf_dir = Path(hf_dir)
     if not has_tokenizer(hf_dir):
         return {}
-    load_tokenizer(hf_dir)
-    return {name: (hf_dir / name).read_bytes() for name in TOKENIZER_FILES if (hf_dir / name).is_file()}
+    files = {name: (hf_dir / name).read_bytes() for name in TOKENIZER_FILES if (hf_dir / name).is_file()}
+    tokenizer_from_files(files, hf_dir)
+    return files
 
 
 def file_record(files: dict[str, bytes]) -> dict[str, dict[str, int]]:
-    """Bytes and CRC32 of each file, as the container manifest lists them."""
-    return {name: {"bytes": len(data), "crc32": zlib.crc32(data)} for name, data in files.items()}
+    """Bytes and CRC32C of each file, as the container manifest lists them under source.tokenizer."""
+    from waste.container.format import side_file_record
+
+    return {name: side_file_record(data) for name, data in files.items()}
 
 
 def _pieces(text: str) -> Iterator[bytes]:

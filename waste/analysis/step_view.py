@@ -304,7 +304,7 @@ class StepThrough:
             container = open_container(path)
             try:
                 model = Model(container)
-                tokenizer = container_tokenizer(path)
+                tokenizer = container_tokenizer(container)
                 ids = prompt_ids(self.prompt_box.value, tokenizer, model.config.vocab_size)
             except BaseException:
                 container.close()

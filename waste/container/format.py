@@ -69,6 +69,11 @@ def crc32c(data: Any, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
+def side_file_record(data: bytes) -> dict[str, int]:
+    """How the manifest lists a small file the container carries (the tokenizer's): size and CRC32C."""
+    return {"bytes": len(data), "crc32c": crc32c(data)}
+
+
 Shape = tuple[int, ...]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Iterator
+import zlib
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from waste.config import ModelConfig
+from waste.container import lease
 from waste.container.format import (
-    EXPERT_PARTS,
     EXPERTS,
     MANIFEST,
     TRUNK,
@@ -36,6 +36,7 @@ from waste.container.format import (
     tensor_class,
 )
 from waste.container.manifest import Manifest, parse_manifest
+from waste.container.verify import verify_files
 from waste.fileio import NotRegularFile, open_regular
 
 # The product kernels (Numba) are imported by the first matrix asked for, not with the reader:
@@ -56,6 +57,14 @@ def _open_dir(path: Path) -> int:
         raise ContainerError(f"{path}: cannot open the container directory ({e.strerror})") from None
 
 
+def _side_file_matches(data: bytes, record: dict[str, Any]) -> bool:
+    if "crc32c" in record:
+        return crc32c(data) == record["crc32c"]
+    # Containers written before side files moved to CRC32C (2026-11-30) list zlib's CRC32; the
+    # manifest's checksum covers that record as well.
+    return "crc32" in record and zlib.crc32(data) == record["crc32"]
+
+
 class Container:
     """An open NAME.waste container; see docs/CONTAINER.md."""
 
@@ -65,6 +74,8 @@ class Container:
         self.trunk_path = self.path / TRUNK
         self.experts_path = self.path / EXPERTS
         self._maps: list[mmap.mmap] = []
+        self._fds: dict[str, int] = {}  # trunk.bin and experts.bin, open as long as their maps
+        self.guarded: dict[str, bool] = {}  # file -> a lease guards it against truncation (lease.py)
         self._closed = False
         self._trunk = self._experts = np.zeros(0, np.uint8)
         self.dir_fd = _open_dir(self.path)
@@ -127,23 +138,26 @@ class Container:
         return f"expert {blob % ex.num_experts} of layer {layer} (blob at byte {blob * ex.blob_bytes})"
 
     def _map_file(self, name: str, size: int, owner: Any) -> np.ndarray:
-        """The file as a read-only uint8 array over a memory map (an empty array for an empty file)."""
+        """The file as a read-only uint8 array over a memory map (an empty array for an empty file).
+
+        The descriptor stays open while the container is: it holds the lease that turns a
+        truncation by another process into one line (`waste.container.lease`), and lets
+        `expert` see a truncation that happened without one."""
         path = self.path / name
         fd = self.open_member(name)
+        self._fds[name] = fd
+        self.guarded[name] = lease.guard(fd, path)
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise ContainerError(f"{path}: truncated to {actual} of {size} bytes; {owner(actual)} is cut off")
+        if actual > size:
+            raise ContainerError(f"{path}: {actual} bytes, the manifest says {size}")
+        if size == 0:
+            return np.zeros(0, np.uint8)
         try:
-            actual = os.fstat(fd).st_size
-            if actual < size:
-                raise ContainerError(f"{path}: truncated to {actual} of {size} bytes; {owner(actual)} is cut off")
-            if actual > size:
-                raise ContainerError(f"{path}: {actual} bytes, the manifest says {size}")
-            if size == 0:
-                return np.zeros(0, np.uint8)
-            try:
-                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            except OSError as e:
-                raise ContainerError(f"{path}: cannot map ({e.strerror})") from None
-        finally:
-            os.close(fd)
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise ContainerError(f"{path}: cannot map ({e.strerror})") from None
         self._maps.append(mm)
         return np.frombuffer(mm, np.uint8)
 
@@ -164,6 +178,28 @@ class Container:
                 raise ContainerError(f"{self.experts_path}: CRC mismatch in {expert_name(layer, expert, part.name)} "
                                      f"(blob at byte {offset}): {_DAMAGED}")
         self._expert_checked[li, expert] = True
+
+    def read_side_file(self, relpath: str, record: Any) -> bytes:
+        """A small file the manifest lists (the tokenizer's), read relative to the directory handle
+        and checked against its record {"bytes": n, "crc32c": c}; ContainerError names the file."""
+        where = self.path / relpath
+        size = record.get("bytes") if isinstance(record, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= _MAX_MANIFEST:
+            raise ContainerError(f"{self.path / MANIFEST}: no valid size recorded for {relpath}")
+        fd = self.open_member(relpath)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(size + 1)
+        except OSError as e:
+            raise ContainerError(f"{where}: cannot read ({e.strerror})") from None
+        finally:
+            os.close(fd)
+        if len(data) != size:
+            raise ContainerError(f"{where}: {len(data)}{'+' if len(data) > size else ''} bytes, the manifest says "
+                                 f"{size}; the file is damaged")
+        if not _side_file_matches(data, record):
+            raise ContainerError(f"{where}: does not match the manifest (CRC mismatch); the file is damaged")
+        return data
 
     # -- what the manifest says ------------------------------------------------------------
     @property
@@ -241,9 +277,27 @@ class Container:
 
         Its CRCs are checked the first time it is asked for (unless opened with verify=False)."""
         offset, nbytes = self.expert_span(layer, expert)
-        if self.verify_data and not self._expert_checked[self._manifest.experts.layers.index(layer), expert]:
-            self.check_expert(layer, expert, self._experts[offset:offset + nbytes])
+        li = self._manifest.experts.layers.index(layer)
+        if not self._expert_checked[li, expert]:
+            self._check_size(EXPERTS, offset + nbytes)
+            if self.verify_data:
+                self.check_expert(layer, expert, self._experts[offset:offset + nbytes])
+            self._expert_checked[li, expert] = True
         return self._decode(self._experts, offset)
+
+    def data_fds(self) -> list[int]:
+        """Descriptors of trunk.bin and experts.bin (open while the container is; do not close them)."""
+        return list(self._fds.values())
+
+    def _check_size(self, name: str, needed: int) -> None:
+        """Before a first touch: a file truncated since it was mapped would kill the process with
+        SIGBUS ("Bus error") at the touch; say so in one line instead (unguarded files only)."""
+        if self.guarded.get(name):
+            return
+        actual = os.fstat(self._fds[name]).st_size
+        if actual < needed:
+            raise lease.ContainerChanged(f"{self.path / name}: truncated to {actual} bytes while in use (byte "
+                                         f"{needed} is needed); another process changed the container")
 
     def decode_expert(self, layer: int, buf: np.ndarray) -> tuple[QMatrix, QMatrix, QMatrix]:
         """(w1, w3, w2) as views over a blob read into `buf` (uint8, expert_blob_bytes long)."""
@@ -274,46 +328,16 @@ class Container:
         }
 
     # -- checks ----------------------------------------------------------------------------
-    def _problems(self) -> Iterator[str]:
-        trunk = self._trunk
-        pos = 0
-        for e in sorted(self._manifest.tensors.values(), key=lambda e: e.offset):
-            if np.any(trunk[pos:e.offset]):
-                yield f"{self.trunk_path}: nonzero padding in bytes {pos}..{e.offset} before tensor {e.name!r}"
-            crc = crc32c(trunk[e.offset:e.offset + e.nbytes])
-            if crc != e.crc32c:
-                yield f"{self.trunk_path}: CRC mismatch in tensor {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes})"
-            pos = e.offset + e.nbytes
-        if np.any(trunk[pos:]):
-            yield f"{self.trunk_path}: nonzero padding after the last tensor (bytes {pos}..{trunk.size})"
-        ex = self._manifest.experts
-        for li, layer in enumerate(ex.layers):
-            for e in range(ex.num_experts):
-                base = (li * ex.num_experts + e) * ex.blob_bytes
-                pos = 0
-                for p, part in enumerate(ex.parts):
-                    lo = base + part.offset
-                    if np.any(self._experts[base + pos:lo]):
-                        yield (f"{self.experts_path}: nonzero padding before {EXPERT_PARTS[p]} of expert {e}, "
-                               f"layer {layer}")
-                    if crc32c(self._experts[lo:lo + part.nbytes]) != ex.crc32c[li, e, p]:
-                        yield (f"{self.experts_path}: CRC mismatch in model.layers.{layer}.block_sparse_moe.experts."
-                               f"{e}.{part.name}.weight (blob at byte {base})")
-                    pos = part.offset + part.nbytes
-                if np.any(self._experts[base + pos:base + ex.blob_bytes]):
-                    yield f"{self.experts_path}: nonzero padding at the end of expert {e}, layer {layer}"
-
     def verify(self, *, collect: bool = False) -> list[str]:
-        """Check every CRC and that all padding is zero.
+        """Check every CRC and that all padding is zero, reading both files once, sequentially
+        (`waste.container.verify.verify_files`, which also reports the speed).
 
         Raises ContainerError naming file and tensor on the first problem; with collect=True,
         returns the list of all problems instead (empty when the container is sound).
         """
-        problems = []
-        for p in self._problems():
-            if not collect:
-                raise ContainerError(p)
-            problems.append(p)
+        problems = verify_files(self).problems
+        if problems and not collect:
+            raise ContainerError(problems[0])
         return problems
 
     # -- lifetime --------------------------------------------------------------------------
@@ -327,9 +351,20 @@ class Container:
             except BufferError:
                 pass  # a caller still holds a view; the map goes when the view does
         self._maps.clear()
+        for fd in self._fds.values():
+            lease.release(fd)
+            os.close(fd)
+        self._fds.clear()
         if self.dir_fd >= 0:
             os.close(self.dir_fd)
             self.dir_fd = -1
+
+    def __del__(self) -> None:
+        # An unclosed container still lets go of its descriptors (and leases) when it is dropped.
+        try:
+            self.close()
+        except Exception:  # at interpreter shutdown, what close() uses may be gone already
+            pass
 
     def __enter__(self) -> Container:
         return self

@@ -1,0 +1,71 @@
+"""A container file truncated by another process during a run: one line (exit 2), never "Bus error"."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from waste.cli import main
+from waste.container import open_container
+from waste.container.lease import ContainerChanged
+from waste.engine.model import Model
+from waste.testing import tiny_container
+
+
+@pytest.fixture
+def container(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
+    dst = tmp_path / "c.waste"
+    shutil.copytree(tiny_container(tmp_path_factory, quant="q4"), dst)
+    return dst
+
+
+@pytest.mark.parametrize("name", ["experts.bin", "trunk.bin"])
+def test_truncation_by_another_process_stops_the_run(container: Path, name: str) -> None:
+    c = open_container(container)
+    assert c.guarded == {"trunk.bin": True, "experts.bin": True}  # files this user owns, on ext4/tmpfs
+    model = Model(c)  # the memory-mapped store: a truncation would be SIGBUS at the next touch
+    session = model.new_session(4096)
+    model.prefill(session, [1, 2, 3], all_logits=False)
+    # truncate(2) blocks in the kernel until this process lets go of its lease.
+    cutter = subprocess.Popen([sys.executable, "-c", f"import os; os.truncate({str(container / name)!r}, 0)"])
+    try:
+        with pytest.raises(ContainerChanged) as caught:
+            deadline = time.monotonic() + 30
+            token = 1
+            while time.monotonic() < deadline:
+                logits = model.decode(session, token)
+                token = int(logits.argmax())
+        assert str(container / name) in str(caught.value) and "\n" not in str(caught.value)
+        assert os.path.getsize(container / name) > 0  # stopped before the file changed
+    finally:
+        del model, session
+        c.close()  # lets the truncation go ahead
+        assert cutter.wait(timeout=60) == 0
+    assert os.path.getsize(container / name) == 0
+
+
+def test_truncation_without_a_lease_is_caught_before_the_first_touch(container: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no lease can be taken (another user's file, NFS), an expert first touched after the
+    file was cut short is refused in one line instead of faulting."""
+    from waste.container import lease
+
+    monkeypatch.setattr(lease, "guard", lambda fd, path: False)
+    with open_container(container) as c:
+        assert c.guarded == {"trunk.bin": False, "experts.bin": False}
+        layer = c.config.moe_layers[0]
+        c.expert(layer, 0)
+        os.truncate(container / "experts.bin", c.expert_span(layer, 1)[0])
+        with pytest.raises(ContainerChanged, match="truncated to .* while in use"):
+            c.expert(layer, 1)
+
+
+def test_cli_run_on_an_unchanged_container_is_unaffected(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(container), "--prompt-ids", "1,2,3", "--max-new", "2", "--expert-cache", "mmap"]) == 0
+    assert "generated:" in capsys.readouterr().out
