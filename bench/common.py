@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import mmap
 import os
 import platform
 import subprocess
@@ -31,6 +30,7 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from waste.analysis.machine import measure_disk
 from waste.container import ContainerError, open_container
 from waste.container.convert import convert
 from waste.fileio import write_atomic
@@ -72,25 +72,10 @@ def sequential_read(path: Path, *, direct: bool = False, block: int = 8 << 20,
                     limit: int | None = None) -> dict[str, Any]:
     """Read `path` start to end (or its first `limit` bytes) in `block`-byte reads, after
     dropping it from the page cache; with O_DIRECT when `direct` (into a page-aligned buffer).
-    The baseline for the expert store's reads: {bytes, seconds, gbps, io_mode, cache_dropped}."""
+    The baseline for the expert store's reads (`waste.analysis.machine.measure_disk`, the read
+    `waste plan` measures the disk with): {bytes, seconds, gbps, io_mode, cache_dropped}."""
     dropped = drop_page_cache(path)
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-    total = 0
-    fd = os.open(path, flags)
-    try:
-        t0 = time.perf_counter()
-        while limit is None or total < limit:
-            got = os.preadv(fd, [buf], total)
-            if got == 0:
-                break
-            total += got
-        seconds = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        buf.close()
-    return {"bytes": total, "seconds": seconds, "gbps": total / seconds / 1e9,
-            "io_mode": "direct" if direct else "buffered", "cache_dropped": dropped}
+    return {**measure_disk(path, limit, direct=direct, block=block), "cache_dropped": dropped}
 
 
 def drop_page_cache(path: Path, *, whole_machine: bool = False) -> str:

@@ -19,8 +19,9 @@ Per store: a `--prompt-len` token prompt (random ids) timed as prefill, then `--
 decode steps; steady-state decode speed is over the steps after the first `--warm` (their
 cache is warm). Reported: tokens/s, peak RSS against the planner's figure, cache budget, hit
 rate and expert GB read per decoded token, next to the planner's decode bound at the hit
-rate measured and at the cached fraction (uniform routing), with the NVMe bandwidth (a
-sequential O_DIRECT read of experts.bin) and RAM bandwidth (a copy) measured in the same run.
+rate measured and what `waste plan` predicts (`predict_run`, the same code: uniform routing,
+at the RAM and runtime the run planned with), with the NVMe bandwidth (a sequential O_DIRECT
+read of experts.bin) and RAM bandwidth (a copy) measured in the same run.
 Other engineers may share the cores: the load average is recorded before and after.
 
     python bench/scale.py [--dir D] [--preset kimi-linear-48b-a3b] [--prompt-len 512] [--new 64]
@@ -42,11 +43,12 @@ import common
 import numba
 import numpy as np
 
-from waste.analysis.budget import copy_bandwidth, decode_speed_bound
+from waste.analysis.budget import copy_bandwidth, decode_speed_bound, predict_run
+from waste.analysis.machine import Bandwidth, Bandwidths
 from waste.container import open_container
 from waste.engine.experts import MmapExpertStore, StreamingExpertStore
-from waste.engine.memory import peak_rss, plan_run_memory
-from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS, Model
+from waste.engine.memory import measure_runtime, peak_rss, plan_run_memory
+from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS
 from waste.plan import make_plan
 from waste.synth_container import synthesize_container
 from waste.units import parse_size
@@ -77,21 +79,17 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         prompt = rng.integers(0, cfg.vocab_size, args.prompt_len)
         context = args.prompt_len + args.new + 8
         available = None if args.ram is None else parse_size(args.ram, "--ram")
+        # As `waste run` does: load the model and every kernel on the path (two prompt tokens and
+        # one decoded through a store that caches nothing), measure what the process holds, plan,
+        # then pick the store. The warm-up's counters are not kept.
+        model, runtime = measure_runtime(c, chunk=args.prefill_chunk)
         memory = plan_run_memory(c, context, chunk=args.prefill_chunk, pass_tokens=PREFILL_PASS_TOKENS,
-                                 available=available)
+                                 runtime=runtime, decode_tokens=args.new, available=available)
         if args.child == "streaming":
             store: Any = StreamingExpertStore(c, memory.cache_budget, "lru", args.read_threads, direct_io=True)
         else:
             store = MmapExpertStore(c)
-        model = Model(c, store=store)
-        # Compile every kernel on the path before anything is timed (Numba's cache makes this
-        # quick after the first run); its cache entries and counters are then dropped.
-        warm = model.new_session(16)
-        model.prefill(warm, prompt[:4], chunk=args.prefill_chunk, all_logits=False)
-        model.decode(warm, 0)
-        if isinstance(store, StreamingExpertStore):
-            store._cache.clear()
-        store.stats.reset()
+        model.store = store
         dropped = common.drop_page_cache(c.experts_path)
         session = model.new_session(context)
         t0 = time.perf_counter()
@@ -114,7 +112,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         steady_hits = total.hits - (warm_stats or {}).get("hits", 0)
         steady_requests = total.requests - (warm_stats or {}).get("requests", 0)
         out = {
-            "store": args.child, "io_mode": store.io_mode, "io_note": getattr(store, "io_note", ""),
+            "store": args.child, "context": context, "decode_tokens": args.new, "io_mode": store.io_mode,
+            "io_note": getattr(store, "io_note", ""),
             "cache_dropped": dropped, "memory_plan": memory.as_dict(),
             "cache_budget": getattr(store, "budget_bytes", None),
             "prefill_s": prefill_s, "prefill_tps": args.prompt_len / prefill_s, "prefill_stats": prefill,
@@ -142,15 +141,19 @@ def child_run(args: argparse.Namespace, store: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def predictions(path: Path, result: dict[str, Any], context: int, nvme_gbps: float,
-                mem_gbps: float) -> dict[str, Any]:
-    """The planner's decode bound and RSS for the budget this run used."""
+def predictions(path: Path, result: dict[str, Any], nvme_gbps: float, mem_gbps: float) -> dict[str, Any]:
+    """What `waste plan` predicts for this run (`predict_run`, the same code, at the RAM and runtime
+    the run measured and planned with), and the bound at the hit rate the run reached."""
     mp = result["memory_plan"]
-    plan = make_plan(str(path), context=context, ram=mp["available"] - mp["headroom"])
-    cached = mp["cache_budget"] / mp["experts_total"] if result["store"] == "streaming" else None
-    measured_hit = result["decode_hit_rate_steady"]
-    out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"]}
-    for label, hit in (("uniform", cached), ("measured_hit", measured_hit)):
+    plan = make_plan(str(path), context=result["context"])
+    rates = Bandwidths(Bandwidth(nvme_gbps, "measured in this run: sequential O_DIRECT read of experts.bin"),
+                       Bandwidth(mem_gbps, "measured in this run: a copy"))
+    predicted = predict_run(plan, mp["available"], rates, runtime=mp["runtime"], decode_tokens=result["decode_tokens"])
+    out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"], "waste_plan": predicted.as_dict()}
+    # The uniform-routing figure is the prediction for the streaming store `waste run` picks here.
+    hits = {"uniform": predicted.hit_rate if result["store"] == "streaming" else None,
+            "measured_hit": result["decode_hit_rate_steady"]}
+    for label, hit in hits.items():
         if hit is not None:
             b = decode_speed_bound(plan, min(1.0, hit), nvme_gbps, mem_gbps)
             out[f"decode_bound_tps_{label}"] = b.tokens_per_second
@@ -197,18 +200,20 @@ def main() -> int:
     results = []
     for store in args.stores:
         r = child_run(args, store)
-        r["prediction"] = predictions(path, r, args.prompt_len + args.new, seq["gbps"], mem["gbps"])
+        r["prediction"] = predictions(path, r, seq["gbps"], mem["gbps"])
         results.append(r)
     rows = []
     for r in results:
         p = r["prediction"]
         rows.append([r["store"], r["io_mode"], r["prefill_tps"], r["decode_tps_steady"],
+                     p["waste_plan"]["decode_bound_tps"] if r["store"] == "streaming" else None,
                      p.get("decode_bound_tps_measured_hit", p.get("decode_bound_tps_uniform")),
                      r["peak_rss"] / 2**30, p["planned_peak_rss"] / 2**30,
                      None if r["cache_budget"] is None else r["cache_budget"] / 2**30,
                      None if r["decode_hit_rate_steady"] is None else 100 * r["decode_hit_rate_steady"],
                      r["decode_expert_gb_per_token_steady"], r["prefill_expert_bytes_vs_model"]])
-    print(common.format_table(["store", "io", "prefill tok/s", "decode tok/s", "bound tok/s", "peak GiB",
+    print(common.format_table(["store", "io", "prefill tok/s", "decode tok/s", "waste plan tok/s",
+                               "bound at hit tok/s", "peak GiB",
                                "plan GiB", "cache GiB", "hit %", "GB/token", "prefill reads/model"], rows))
     if len(results) == 2:
         ratio = results[0]["decode_tps_steady"] / results[1]["decode_tps_steady"]

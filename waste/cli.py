@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the scheme's)")
     s.add_argument("--sweep", action="store_true", help="context-dependent lines from 1K to the model's maximum")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.add_argument("--disk-gbps", type=_float(0.0, low_open=True), default=None,
+                   help="disk read bandwidth for the decode prediction with --ram (default: measured on the "
+                        "container's disk once and cached)")
+    s.add_argument("--mem-gbps", type=_float(0.0, low_open=True), default=None,
+                   help="memory bandwidth for the decode prediction with --ram (default: measured once and cached)")
+    s.add_argument("--measure", action="store_true", help="measure the bandwidths again instead of using the cache")
+    s.add_argument("--trace", help="routing trace (.npz from waste run --trace-out) whose decode lookups give the "
+                   "hit rate, instead of uniform routing")
 
     s = command("synth", help="write a random Hugging Face style checkpoint (or, with --quant, a container)")
     s.add_argument("preset", help="preset name or path to a config.json")

@@ -331,10 +331,48 @@ def format_sweep(cfg: ModelConfig, plans: list[Plan]) -> str:
     return "\n".join(lines)
 
 
+def run_prediction(plan: Plan, args: Any) -> Any:
+    """What `waste plan CONTAINER --ram R` predicts for a `waste run` of it on a machine with R
+    available (`waste.analysis.budget.predict_run`); None for a preset or config.json (the
+    runtime and the disk are measured on a container) or without --ram.
+
+    The runtime is measured as `waste run` measures it (`measure_runtime`: the model loaded and
+    two prompt tokens and one decoded token run through it, which costs a few seconds and the
+    trunk in RAM); the bandwidths are given, cached or measured (`waste.analysis.machine`)."""
+    from waste.analysis.budget import predict_run
+    from waste.analysis.machine import bandwidths
+    from waste.container.format import EXPERTS
+    from waste.container.reader import open_container
+    from waste.engine.memory import measure_runtime
+    from waste.engine.model import DEFAULT_PREFILL_CHUNK
+
+    target = Path(args.target)
+    if plan.ram is None or not (target / "manifest.json").is_file():
+        return None
+    trace = None
+    if args.trace:
+        from waste.engine.trace import load
+
+        trace = load(args.trace)
+        if trace.num_experts != plan.config.num_experts or set(trace.moe_layers) - set(plan.config.moe_layers):
+            raise WasteError(f"trace {args.trace}: recorded on another model ({trace.num_experts} experts, MoE layers "
+                             f"{list(trace.moe_layers)})")
+    rates = bandwidths(disk_file=target / EXPERTS, disk_gbps=args.disk_gbps, mem_gbps=args.mem_gbps,
+                       measure=args.measure)
+    with open_container(target) as container:
+        model, runtime = measure_runtime(container, chunk=DEFAULT_PREFILL_CHUNK)
+        del model
+    return predict_run(plan, plan.ram, rates, runtime=runtime, trace=trace, trace_name=str(args.trace))
+
+
 def cmd_plan(args: Any) -> int:
-    """`waste plan TARGET [--context N] [--ram SIZE] [--state-dtype] [--quant] [--experts] [--sweep] [--json]`."""
+    """`waste plan TARGET [--context N] [--ram SIZE] [--state-dtype] [--quant] [--experts] [--sweep] [--json]
+    [--disk-gbps G] [--mem-gbps G] [--measure] [--trace F.npz]`."""
     plan = make_plan(args.target, context=args.context, state_dtype=args.state_dtype, scheme=args.quant, ram=args.ram,
                      experts=args.experts)
+    if args.trace and (plan.ram is None or plan.weights.source != "container"):
+        raise WasteError("--trace gives the hit rate of a run's prediction: it needs a container and --ram")
+    prediction = run_prediction(plan, args)
     sweep = None
     if args.sweep:
         sweep = [
@@ -344,6 +382,8 @@ def cmd_plan(args: Any) -> int:
         ]
     if args.json:
         out: dict[str, Any] = plan.as_dict()
+        if prediction is not None:
+            out["run"] = prediction.as_dict()
         if sweep is not None:
             out["sweep"] = [
                 {k: p.as_dict()[k] for k in ("context", "mla_latent_bytes", "state_total_bytes",
@@ -352,7 +392,8 @@ def cmd_plan(args: Any) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan))
+        if prediction is not None:
+            print(prediction.describe())
         if sweep is not None:
             print(format_sweep(plan.config, sweep))
     return 0
-

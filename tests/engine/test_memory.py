@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -9,9 +14,10 @@ import waste.engine.model as model_module
 from waste.cli import main
 from waste.container.reader import open_container
 from waste.engine.experts import StreamingExpertStore
-from waste.engine.memory import MemoryPlan, available_memory, plan_run_memory
+from waste.engine.memory import MemoryPlan, available_memory, measure_runtime, plan_run_memory
 from waste.engine.model import Model
 from waste.testing import tiny_container
+from waste.units import parse_size
 
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 500, 100)]
 
@@ -60,8 +66,9 @@ def test_default_streams_when_the_experts_do_not_fit(q4, tmp_path, monkeypatch, 
     mapped = _run([*argv, "--expert-cache", "mmap", "--logits-out", str(tmp_path / "a.npy")], capsys)
     assert "store mmap" in mapped
     with open_container(q4) as c:
+        _, runtime = measure_runtime(c, chunk=16)  # what the run will measure, in this same process
         plan = plan_run_memory(c, len(PROMPT) + 6, chunk=16, pass_tokens=model_module.PREFILL_PASS_TOKENS,
-                               all_logits=True, available=0)
+                               runtime=runtime, decode_tokens=6, all_logits=True, available=0)
         experts = c.byte_counts()["expert_bytes"]
     monkeypatch.setenv("WASTE_RAM", str(plan.resident + plan.headroom + experts // 2))
     streamed = _run([*argv, "--logits-out", str(tmp_path / "b.npy")], capsys)
@@ -105,3 +112,28 @@ def test_passes_bound_the_reads_of_a_long_prompt(q4, monkeypatch) -> None:
             assert all(s.calls == passes for s in store.stats.layers.values())
             store.close()
     np.testing.assert_array_equal(runs[40], runs[1000])
+
+
+def _memory_line(stdout: str) -> tuple[int, int]:
+    """(planned peak, peak RSS) in bytes from `waste run`'s memory line."""
+    line = next(x for x in stdout.splitlines() if x.startswith("memory: planned peak"))
+    planned, peak = (parse_size(m.replace(" ", "")) for m in re.findall(r"(\d+(?:\.\d+)? [KMGT]iB)", line)[:2])
+    return planned, peak
+
+
+def test_planned_peak_agrees_with_the_measured_peak(q4) -> None:
+    """`waste run`, each in its own process (a peak RSS of its own): the peak RSS it reports is
+    within -10% .. +10% of the peak it planned, with RAM for none of the experts (streaming, a
+    cache of 0) and for all of them (mapped). The first run only fills Numba's cache, so that the
+    runs measured load their kernels as a run normally does."""
+    argv = [sys.executable, "-m", "waste.cli", "run", str(q4), "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--max-new", "8"]
+    for ram, store in (("64G", None), ("1M", "buffered"), ("64G", "mmap")):
+        done = subprocess.run(argv, env={**os.environ, "WASTE_RAM": ram}, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        if store is None:
+            continue
+        assert f"store {store}" in done.stdout
+        planned, peak = _memory_line(done.stdout)
+        assert 0.9 * planned <= peak <= 1.1 * planned, (store, planned, peak, done.stdout, done.stderr)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,9 @@ PLAN_PART_LABELS = {
     "free": "unused",
 }
 GB = 1e9
+# Tokens the run `waste plan` predicts generates (each keeps its logits row); the rest of the
+# context is prompt.
+PREDICT_DECODE_TOKENS = 64
 
 
 def plan_breakdown(plan: Plan) -> dict[str, int]:
@@ -151,6 +155,105 @@ def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: 
     )
 
 
+@dataclass(frozen=True)
+class RunPrediction:
+    """What `waste plan TARGET --ram R` predicts for a `waste run` on a machine with R available:
+    the run's own memory plan (`waste.engine.memory.plan_memory`, the arithmetic `waste run`
+    uses), the hit rate its expert cache reaches, and the decode bound at that hit rate."""
+
+    memory: Any  # waste.engine.memory.MemoryPlan
+    decode_tokens: int
+    cached_experts: int
+    total_experts: int
+    hit_rate: float
+    hit_rate_source: str
+    bound: DecodeBound
+    bandwidths: Any  # waste.analysis.machine.Bandwidths
+
+    @property
+    def fits(self) -> bool:
+        """Whether the resident part fits at all (else the run swaps or is killed)."""
+        m = self.memory
+        return m.resident <= m.available - m.headroom
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"memory_plan": self.memory.as_dict(), "fits": self.fits, "decode_tokens": self.decode_tokens,
+                "cached_experts": self.cached_experts,
+                "total_experts": self.total_experts, "hit_rate": self.hit_rate,
+                "hit_rate_source": self.hit_rate_source, "decode_bound_tps": self.bound.tokens_per_second,
+                "decode_serial_tps": self.bound.serial_tokens_per_second, "limited_by": self.bound.limited_by,
+                "disk_bytes_per_token": self.bound.nvme_bytes, "memory_bytes_per_token": self.bound.memory_bytes,
+                "planned_peak_rss": self.memory.planned_peak, **self.bandwidths.as_dict()}
+
+    def describe(self) -> str:
+        from waste.units import human_bytes
+
+        m, b, bw = self.memory, self.bound, self.bandwidths
+        store = "memory map (every expert fits)" if m.experts_fit else \
+            f"streaming, cache {human_bytes(m.cache_budget)}"
+        lines = [
+            f"waste run with {human_bytes(m.available)} available (waste/engine/memory.py, as the run plans it), "
+            f"the context's last {self.decode_tokens} tokens generated",
+            f"  resident {human_bytes(m.resident)}: runtime {human_bytes(m.runtime)}, trunk {human_bytes(m.trunk)}, "
+            f"MLA weights {human_bytes(m.mla_weights)}, state {human_bytes(m.state)}, working "
+            f"{human_bytes(m.working)}; headroom {human_bytes(m.headroom)}",
+        ]
+        if not self.fits:
+            short = m.resident - (m.available - m.headroom)
+            return "\n".join([*lines, f"  does NOT fit: short by {human_bytes(short)}; no prediction"])
+        lines += [
+            f"  expert store: {store}: {self.cached_experts:,d} of {self.total_experts:,d} experts "
+            f"({100 * self.cached_experts / max(self.total_experts, 1):.1f}%)",
+            f"  hit rate {100 * self.hit_rate:.1f}% ({self.hit_rate_source})",
+            f"  per token {human_bytes(b.nvme_bytes)} from disk at {bw.disk.gbps:.2f} GB/s, "
+            f"{human_bytes(b.memory_bytes)} from RAM at {bw.memory.gbps:.1f} GB/s",
+            f"  decode bound {b.tokens_per_second:.2f} tok/s (disk and RAM reads overlapped; "
+            f"{b.serial_tokens_per_second:.2f} one after the other), limited by {b.limited_by}",
+            f"  planned peak RSS {human_bytes(m.planned_peak)}",
+            f"  disk: {bw.disk.source}",
+            f"  memory: {bw.memory.source}",
+        ]
+        return "\n".join(lines)
+
+
+def trace_hit_rate(trace: Any, cache_budget: int, blob_bytes: int, policy: str = "lru") -> float:
+    """The decode hit rate of `trace` (a routing trace) replayed through a cache of `cache_budget` bytes."""
+    from waste.analysis.cache_sim import capacity_for_budget, simulate
+
+    sim = simulate(trace, policy, capacity_for_budget(cache_budget, blob_bytes))
+    req = trace.requests()
+    decode = np.repeat(req.phase == 1, np.diff(req.start))
+    if not decode.any():
+        raise WasteError("the routing trace has no decode steps to take a hit rate from")
+    return float(sim.hit[decode].mean())
+
+
+def predict_run(plan: Plan, ram: int, bandwidths: Any, *, runtime: int, decode_tokens: int = PREDICT_DECODE_TOKENS,
+                trace: Any = None, trace_name: str = "") -> RunPrediction:
+    """The prediction of a run of `plan`'s model reaching `plan.context` tokens (`decode_tokens` of
+    them generated) on a machine with `ram` bytes available, the runtime (interpreter, NumPy,
+    Numba and the kernels) taking `runtime`: the hit rate is the fraction of experts the cache
+    holds (uniform routing) unless a routing `trace` is given, whose decode lookups are replayed
+    through that cache (LRU)."""
+    from waste.engine.memory import plan_memory
+    from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS
+
+    decode_tokens = min(decode_tokens, plan.context)
+    memory = plan_memory(plan.config, plan.weights, plan.context, chunk=DEFAULT_PREFILL_CHUNK,
+                         pass_tokens=PREFILL_PASS_TOKENS, runtime=runtime, decode_tokens=decode_tokens, available=ram)
+    total = plan.config.num_experts * plan.weights.expert_layers
+    cached = total if memory.experts_fit else min(memory.cache_budget // plan.weights.per_expert, total)
+    if memory.experts_fit:
+        hit, source = 1.0, "every expert stays in the page cache once read"
+    elif trace is not None:
+        hit = trace_hit_rate(trace, memory.cache_budget, plan.weights.per_expert)
+        source = f"routing trace {trace_name}: its decode lookups replayed through this cache, LRU"
+    else:
+        hit, source = cached / total, "uniform routing: the fraction of experts cached"
+    bound = decode_speed_bound(plan, hit, bandwidths.disk.gbps, bandwidths.memory.gbps)
+    return RunPrediction(memory, decode_tokens, cached, total, hit, source, bound, bandwidths)
+
+
 def state_curve(cfg: ModelConfig, contexts: Sequence[int], dtype: str = "f32", *, all_mla: bool = False) -> np.ndarray:
     """Attention-side state bytes [len(contexts)] int64 at each context: the model as it is
     (KDA state + conv rings + MLA latent) or, with all_mla, every layer MLA."""
@@ -213,10 +316,12 @@ def budget_summary(plan: Plan, bound: DecodeBound) -> str:
     return "\n".join(lines)
 
 
-def load_scale_bench(path: str | Path) -> list[dict[str, float | str | None]]:
+def load_scale_bench(path: str | Path) -> list[dict[str, Any]]:
     """The measured points of a `bench/scale.py` result (bench/results/scale-*.json), one per store:
-    {store, ram (the RAM the run planned for, bytes), cache_budget, hit_rate, decode_tps,
-    prefill_tps, peak_rss, planned_peak_rss, bound_tps} for placing on a budget plot."""
+    {store, preset, scheme, ram (the RAM the run planned for, bytes), cache_budget, hit_rate,
+    decode_tps, prefill_tps, peak_rss, planned_peak_rss, bound_tps (at the hit rate measured),
+    predicted_tps and predicted_peak_rss (what `waste plan` predicts at that RAM, `predict_run`;
+    None in results written before it)} for placing on a budget plot."""
     import json
 
     try:
@@ -225,15 +330,19 @@ def load_scale_bench(path: str | Path) -> list[dict[str, float | str | None]]:
         points = []
         for r in runs:
             mp, pred = r["memory_plan"], r.get("prediction", {})
+            predicted = pred.get("waste_plan") or {}
             points.append({
-                "store": r["store"], "ram": mp["available"], "cache_budget": r["cache_budget"],
+                "store": r["store"], "preset": data.get("preset"), "scheme": data.get("scheme"),
+                "ram": mp["available"], "cache_budget": r["cache_budget"],
                 "hit_rate": r["decode_hit_rate_steady"], "decode_tps": r["decode_tps_steady"],
                 "prefill_tps": r["prefill_tps"], "peak_rss": r["peak_rss"],
                 "planned_peak_rss": mp["planned_peak"],
                 "bound_tps": pred.get("decode_bound_tps_measured_hit", pred.get("decode_bound_tps_uniform")),
+                "predicted_tps": predicted.get("decode_bound_tps"),
+                "predicted_peak_rss": predicted.get("planned_peak_rss"),
             })
     except FileNotFoundError:
         raise WasteError(f"{path}: no such bench result (run `make bench-scale`)") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise WasteError(f"{path}: not a bench/scale.py result ({e})") from None
     return points

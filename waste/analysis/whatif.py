@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from waste.analysis.budget import DecodeBound, cache_fraction, decode_speed_bound
+from waste.analysis.budget import DecodeBound, cache_fraction, decode_speed_bound, load_scale_bench
 from waste.container.format import expected_expert_tensors, expected_tensors
+from waste.errors import WasteError
 from waste.plan import Plan
 from waste.units import human_bytes
 
@@ -153,13 +154,15 @@ class MeasuredPoint:
     ram_bytes: int | None  # resident + expert cache the run used (None: everything mapped)
     hit_rate: float | None
     tokens_per_second: float
+    predicted_tps: float | None = None  # what `waste plan` predicts for the same RAM (bench/scale.py)
 
 
 def measured_points(results_dir: str | Path, resident: dict[str, int] | None = None) -> list[MeasuredPoint]:
     """Decode speeds measured by bench/engine.py (every expert in RAM), bench/streaming.py (an
     expert cache of a given budget) and bench/scale.py, from the JSON they wrote in `results_dir`;
     [] when there is none. `resident` maps "preset/scheme" to the resident bytes a cache budget
-    sits on top of (the plan's), to place the streaming runs at their whole RAM."""
+    sits on top of (the plan's), to place the streaming runs at their whole RAM. A bench/scale.py
+    run sits at the RAM it planned with, beside what `waste plan` predicts for that RAM."""
     results_dir = Path(results_dir)
     out: list[MeasuredPoint] = []
     engine = _read(results_dir / "engine.json")
@@ -174,14 +177,15 @@ def measured_points(results_dir: str | Path, resident: dict[str, int] | None = N
         ram = None if base is None else base + int(b["budget_bytes"])
         out.append(MeasuredPoint(f"bench/streaming.py {100 * b['budget_fraction']:g}% cache", streaming["preset"],
                                  streaming["scheme"], ram, b.get("decode_hit_rate"), float(b["decode_tps"])))
-    scale = _read(results_dir / "scale.json")
-    for run in scale.get("runs", [scale] if "decode_tps" in scale else []):
-        if "decode_tps" in run:
-            ram = run.get("peak_rss_bytes") or run.get("budget_bytes")
-            out.append(MeasuredPoint(f"bench/scale.py {run.get('store', '')}".strip(),
-                                     scale.get("preset", "kimi-linear-48b-a3b"), scale.get("scheme", "q4"),
-                                     None if ram is None else int(ram), run.get("hit_rate"),
-                                     float(run["decode_tps"])))
+    for path in sorted(results_dir.glob("scale-*.json")):
+        try:
+            scale = load_scale_bench(path)
+        except WasteError:
+            continue  # like the files above: a result that cannot be read places no point
+        for p in scale:
+            out.append(MeasuredPoint(f"bench/scale.py {p['store']}", str(p["preset"]), str(p["scheme"]),
+                                     int(p["ram"]), p["hit_rate"], float(p["decode_tps"]),
+                                     None if p["predicted_tps"] is None else float(p["predicted_tps"])))
     return out
 
 
@@ -214,8 +218,14 @@ def plot_what_if(rams: Sequence[int], over_ram: tuple[np.ndarray, np.ndarray], h
     if current.fits:
         left.plot([ram_now], [current.tokens_per_second], "o", color="black", label="chosen")
     for m in measured:
-        if m.ram_bytes is not None:
-            left.plot([m.ram_bytes / 2**30], [m.tokens_per_second], "x", markersize=9, label=m.label)
+        if m.ram_bytes is None:
+            continue
+        (mark,) = left.plot([m.ram_bytes / 2**30], [m.tokens_per_second], "x", markersize=9, label=m.label)
+        if m.predicted_tps is not None:
+            # `waste plan`'s prediction for the RAM this run had, joined to what the run reached.
+            left.plot([m.ram_bytes / 2**30] * 2, [m.tokens_per_second, m.predicted_tps], ":", color=mark.get_color())
+            left.plot([m.ram_bytes / 2**30], [m.predicted_tps], "^", color=mark.get_color(), markersize=8,
+                      label=f"waste plan's prediction for {m.label.removeprefix('bench/scale.py ')}")
     left.set_xscale("log", base=2)
     left.set_xlabel("RAM budget (GiB, log scale)")
     left.set_ylabel("decode bound (tokens/s)")

@@ -80,7 +80,7 @@ def _sampler(args: Any, saved: dict[str, Any] | None) -> Any:
 def cmd_run(args: Any) -> int:
     from waste.container.reader import open_container
     from waste.engine.experts import open_expert_store
-    from waste.engine.memory import peak_rss, plan_run_memory
+    from waste.engine.memory import measure_runtime, peak_rss, plan_run_memory
     from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS, Model
     from waste.engine.runner import generate
     from waste.engine.text import chat_turn_ids, text_printer
@@ -90,26 +90,32 @@ def cmd_run(args: Any) -> int:
     budget = None if args.expert_cache in (None, "mmap") else parse_size(args.expert_cache, "--expert-cache")
     outputs = dict(_output_paths(args))
     container = open_container(args.container, verify=not args.no_verify)
-    tokenizer = require_tokenizer(args.container) if _text_args(args) else None
+    tokenizer = require_tokenizer(container) if _text_args(args) else None
     prompt = tokenizer.encode(args.prompt) if getattr(args, "prompt", None) is not None else _prompt(args)
     cfg = container.config
     chunk = args.prefill_chunk or DEFAULT_PREFILL_CHUNK
     if len(prompt) + args.max_new > cfg.max_position_embeddings:
         raise WasteError(f"context of {len(prompt) + args.max_new} tokens (prompt {len(prompt)} + --max-new "
                          f"{args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
-    memory = None
+    memory, model = None, None
     if args.expert_cache is None:
-        # Plan against the context this run reaches (a resumed session adds its own tokens,
-        # which the planner cannot know before the session is read: its state is small).
+        # Load the model and its kernels first, so the plan counts what they take (measure_runtime);
+        # plan against the context this run reaches (a resumed session adds its own tokens, which
+        # the planner cannot know before the session is read: its state is small).
+        model, runtime = measure_runtime(container, chunk=chunk, router_weights=args.router_weights)
         memory = plan_run_memory(container, len(prompt) + args.max_new, chunk=chunk,
-                                 pass_tokens=PREFILL_PASS_TOKENS, all_logits=bool(args.logits_out))
+                                 pass_tokens=PREFILL_PASS_TOKENS, runtime=runtime, decode_tokens=args.max_new,
+                                 all_logits=bool(args.logits_out))
         budget = None if memory.experts_fit else memory.cache_budget
         if not memory.experts_fit:
             # The one line saying why the run streams (stdout may carry the generated text);
             # when every expert fits, the memory-mapped store needs no word.
             print(memory.describe(), file=sys.stderr)
     store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.direct_io)
-    model = Model(container, store=store, router_weights=args.router_weights)
+    if model is None:
+        model = Model(container, store=store, router_weights=args.router_weights)
+    else:
+        model.store = store
     if args.session_in:
         session = model.load_session(args.session_in)
         sampler = _sampler(args, session.sampler_state)

@@ -1,9 +1,13 @@
 """How much RAM a run may use, and which expert store follows from it.
 
-`waste run` without `--expert-cache` plans its memory before loading the model:
+`waste run` without `--expert-cache` plans its memory once the model is loaded and warmed up
+(`measure_runtime`: two prompt tokens and one decoded token through a store that caches
+nothing, so every kernel is loaded or compiled), before it picks the expert store:
 
     budget = available RAM (MemAvailable, or the cgroup's limit when lower) - headroom
-    resident = what the process already holds (interpreter, NumPy, Numba, the open container)
+    resident = runtime: what the process then holds besides the terms below, measured (its
+               RSS less the container's mapped pages and the MLA weights): the interpreter,
+               NumPy, Numba and LLVM, the compiled kernels, thread stacks
              + trunk weights (mapped, all touched by a run)
              + MLA absorbed weights (kv_b_proj widened to float32 at load)
              + session state at the run's context (KDA states, conv rings, MLA latents)
@@ -13,7 +17,9 @@
 
 When every routed expert fits in the cache the container's memory map serves them (the
 page cache holds them); otherwise the streaming store reads them into a cache of exactly
-that many bytes. The run reports the planned total next to its peak RSS.
+that many bytes. The run reports the planned total next to its peak RSS. `waste plan
+CONTAINER --ram R` runs the same warm-up and the same arithmetic (`plan_memory`) for a machine
+with R available (`waste.analysis.budget.predict_run`).
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from waste.errors import WasteError
-from waste.plan import state_bytes
+from waste.config import ModelConfig
+from waste.errors import NonFiniteError, WasteError
+from waste.plan import WeightBytes, container_weight_bytes, state_bytes
 from waste.units import human_bytes
 
 HEADROOM_FRACTION = 0.05  # of the available RAM, kept free for the allocator, the OS and noise
@@ -71,6 +78,27 @@ def available_memory() -> int:
     return min(found)
 
 
+def mapped_rss(fds: list[int]) -> int:
+    """Resident bytes of this process's memory maps of the files open as `fds` (/proc/self/smaps)."""
+    keys = set()
+    for fd in fds:
+        st = os.fstat(fd)
+        keys.add((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
+    total, counting = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                    major, minor = head[3].split(":")
+                    counting = (int(major, 16), int(minor, 16), int(head[4])) in keys
+                elif counting and head[0] == "Rss:":
+                    total += int(head[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
 def current_rss() -> int:
     """Resident bytes of this process now."""
     try:
@@ -80,7 +108,15 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    """The largest resident size this process has had (ru_maxrss, KiB on Linux)."""
+    """The largest resident size this process has had: VmHWM, the high-water mark of its own
+    memory. (ru_maxrss is no substitute: Linux carries it across exec, so a process started by
+    a larger one reports its parent's size until it outgrows it.)"""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
@@ -90,7 +126,7 @@ class MemoryPlan:
 
     available: int
     headroom: int
-    runtime: int  # resident before the model loads
+    runtime: int  # what the process holds besides the terms below (measure_runtime)
     trunk: int
     mla_weights: int
     state: int
@@ -135,32 +171,71 @@ class MemoryPlan:
                 "planned_peak": self.planned_peak}
 
 
-def plan_run_memory(container: Any, context: int, *, chunk: int, pass_tokens: int, all_logits: bool = False,
-                    available: int | None = None, runtime: int | None = None) -> MemoryPlan:
-    """The memory plan of a run over `container` reaching `context` tokens (see the module doc)."""
-    cfg = container.config
-    counts = container.byte_counts()
+def mla_weight_bytes(cfg: ModelConfig) -> int:
+    """The MLA layers' kv_b_proj, widened to float32 when the model loads (absorbed attention)."""
+    return len(cfg.mla_layers) * cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * 4
+
+
+def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbiased") -> tuple[Any, int]:
+    """(model, runtime bytes): the model over `container`, after two prompt tokens and one decoded
+    token went through it, which loads (or compiles) every kernel a run uses; and what the process
+    then holds beyond the plan's other terms: its RSS less the container's mapped pages (the
+    trunk term counts those) and the MLA weights. That is the interpreter, NumPy, Numba and
+    LLVM, the compiled kernels, the threads' stacks and whatever the model keeps besides.
+    The model's store caches nothing; give it the run's (`model.store = ...`)."""
+    from waste.engine.experts import StreamingExpertStore
+    from waste.engine.model import LayerTimes, Model
+
+    model = Model(container, store=StreamingExpertStore(container, 0, read_threads=1), router_weights=router_weights)
+    session = model.new_session(3)
+    try:
+        model.prefill(session, [0, 1], chunk=chunk, all_logits=False)
+        model.decode(session, 0)
+    except NonFiniteError as e:
+        raise NonFiniteError(f"{e} (in the warm-up on token ids 0, 1 before the prompt)") from None
+    finally:
+        model.store.close()
+    model.times = LayerTimes()
+    runtime = current_rss() - mapped_rss(container.data_fds()) - mla_weight_bytes(container.config)
+    return model, max(runtime, 0)
+
+
+def plan_run_memory(container: Any, context: int, *, chunk: int, pass_tokens: int, runtime: int, decode_tokens: int,
+                    all_logits: bool = False, available: int | None = None) -> MemoryPlan:
+    """The memory plan of a run over `container` reaching `context` tokens, `decode_tokens` of them
+    generated (see the module doc)."""
+    return plan_memory(container.config, container_weight_bytes(container), context, chunk=chunk,
+                       pass_tokens=pass_tokens, runtime=runtime, decode_tokens=decode_tokens, all_logits=all_logits,
+                       available=available)
+
+
+def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: int, pass_tokens: int, runtime: int,
+                decode_tokens: int, all_logits: bool = False, available: int | None = None) -> MemoryPlan:
+    """The memory plan of a run of a model with these weights (`waste.plan`'s figures) reaching
+    `context` tokens, `decode_tokens` of them generated: the one place its arithmetic lives, for
+    `waste run` and for `waste plan`'s prediction."""
     avail = available_memory() if available is None else int(available)
     headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * avail))
-    mla_weights = len(cfg.mla_layers) * cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) \
-        * cfg.kv_lora_rank * 4
+    mla_weights = mla_weight_bytes(cfg)
     tokens = min(max(context, 1), pass_tokens)
     widest = max(cfg.intermediate_size, cfg.num_experts_per_token * cfg.moe_intermediate_size,
                  cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.kv_lora_rank),
                  3 * cfg.kda_proj_size)
     # A pass's residual stream, normalised copy and FFN output, plus its widest intermediate,
     # each float32; the experts one MoE layer of the pass holds; one chunk's logits (twice:
-    # the product and its copy into the output), and every prompt row's with `all_logits`.
+    # the product and its copy into the output); and the logits rows the run keeps: one per
+    # generated token, and every prompt row's with `all_logits` (else the last one's).
     activations = 4 * tokens * (4 * cfg.hidden_size + 2 * widest)
-    experts_held = min(cfg.num_experts, tokens * cfg.num_experts_per_token) * int(counts["expert_blob_bytes"])
-    logits = 4 * cfg.vocab_size * (2 * min(chunk, tokens) + (context if all_logits else 0))
+    experts_held = min(cfg.num_experts, tokens * cfg.num_experts_per_token) * weights.per_expert
+    prompt_rows = max(context - decode_tokens, 1) if all_logits else 1
+    logits = 4 * cfg.vocab_size * (2 * min(chunk, tokens) + prompt_rows + decode_tokens)
     return MemoryPlan(
         available=avail,
         headroom=headroom,
-        runtime=current_rss() if runtime is None else int(runtime),
-        trunk=int(counts["trunk_bytes"]),
+        runtime=int(runtime),
+        trunk=weights.trunk,
         mla_weights=mla_weights,
         state=state_bytes(cfg, context).total,
         working=activations + experts_held + logits,
-        experts_total=int(counts["expert_bytes"]),
+        experts_total=weights.experts_total,
     )

@@ -1,0 +1,136 @@
+"""`waste plan CONTAINER --ram R`: a run's cache, hit rate, decode bound and peak RSS, from the
+arithmetic `waste run` plans with, and the bandwidths it is given, caches or measures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import waste.analysis.machine as machine
+from waste.analysis.budget import decode_speed_bound, predict_run, trace_hit_rate
+from waste.analysis.cache_sim import simulate
+from waste.analysis.machine import Bandwidth, Bandwidths, bandwidths
+from waste.cli import main
+from waste.engine.trace import load
+from waste.plan import make_plan
+from waste.testing import tiny_container
+
+RATES = Bandwidths(Bandwidth(2.0, "given"), Bandwidth(10.0, "given"))
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_container(tmp_path_factory, quant="q4")
+
+
+def _ram_for_half_the_experts(plan, runtime: int) -> int:
+    """RAM whose run plan leaves a cache of half the experts (headroom at its 256 MiB floor)."""
+    zero = predict_run(plan, 0, RATES, runtime=runtime).memory
+    return zero.resident + zero.headroom + plan.weights.experts_total // 2
+
+
+def test_cli_prediction_is_predict_run(q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("WASTE_CACHE_DIR", str(tmp_path))
+    assert main(["plan", str(q4), "--ram", "8G", "--disk-gbps", "2", "--mem-gbps", "10", "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["run"]
+    mp = run["memory_plan"]
+    assert mp["runtime"] > 0 and mp["available"] == 8 << 30 and mp["experts_fit"]
+    expected = predict_run(make_plan(str(q4), ram="8G"), 8 << 30, RATES, runtime=mp["runtime"])
+    assert run["planned_peak_rss"] == expected.memory.planned_peak == mp["planned_peak"]
+    assert run["hit_rate"] == 1.0 and run["decode_bound_tps"] == pytest.approx(expected.bound.tokens_per_second)
+    assert run["disk_source"] == "given (--disk-gbps)" and run["mem_source"] == "given (--mem-gbps)"
+    assert not (tmp_path / "machine.json").exists()  # nothing measured, nothing cached
+    assert main(["plan", str(q4), "--ram", "8G", "--disk-gbps", "2", "--mem-gbps", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "waste run with 8 GiB available" in text and "planned peak RSS" in text and "decode bound" in text
+    assert main(["plan", "tiny", "--ram", "8G", "--json"]) == 0  # a preset: the model's figures, no run
+    assert "run" not in json.loads(capsys.readouterr().out)
+
+
+def test_uniform_routing_hit_rate_is_the_cached_fraction(q4: Path) -> None:
+    plan = make_plan(str(q4))
+    runtime = 300 << 20
+    ram = _ram_for_half_the_experts(plan, runtime)
+    p = predict_run(plan, ram, RATES, runtime=runtime)
+    total = plan.config.num_experts * plan.weights.expert_layers
+    assert p.fits and not p.memory.experts_fit and p.memory.cache_budget == plan.weights.experts_total // 2
+    assert p.cached_experts == p.memory.cache_budget // plan.weights.per_expert and 0 < p.cached_experts < total
+    assert p.hit_rate == p.cached_experts / total and "uniform" in p.hit_rate_source
+    bound = decode_speed_bound(plan, p.hit_rate, 2.0, 10.0)
+    assert p.bound == bound and p.memory.planned_peak == p.memory.resident + p.memory.cache_budget
+    short = predict_run(plan, 1 << 20, RATES, runtime=runtime)
+    assert not short.fits and "does NOT fit" in short.describe()
+
+
+def test_trace_gives_the_hit_rate(q4: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ids = ",".join(str(int(t)) for t in np.random.default_rng(3).integers(3, 500, 40))
+    trace_path = tmp_path / "t.npz"
+    assert main(["run", str(q4), "--prompt-ids", ids, "--max-new", "24", "--trace-out", str(trace_path)]) == 0
+    capsys.readouterr()
+    trace = load(trace_path)
+    plan = make_plan(str(q4))
+    runtime = 300 << 20
+    p = predict_run(plan, _ram_for_half_the_experts(plan, runtime), RATES, runtime=runtime, trace=trace,
+                    trace_name="t.npz")
+    sim = simulate(trace, "lru", p.memory.cache_budget // plan.weights.per_expert)
+    req = trace.requests()
+    decode = np.repeat(req.phase == 1, np.diff(req.start))
+    assert p.hit_rate == trace_hit_rate(trace, p.memory.cache_budget, plan.weights.per_expert)
+    assert p.hit_rate == sim.hit[decode].mean() and "routing trace t.npz" in p.hit_rate_source
+    assert main(["plan", "tiny", "--trace", str(trace_path)]) == 2
+    assert "needs a container and --ram" in capsys.readouterr().err
+
+
+def test_bandwidths_measured_once_then_cached(q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WASTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(machine, "MEMORY_SAMPLE_BYTES", 4 << 20)
+    experts = q4 / "experts.bin"
+    first = bandwidths(disk_file=experts)
+    assert first.memory.source.startswith("measured now") and first.memory.gbps > 0
+    assert "too short a read to cache" in first.disk.source  # tiny's experts.bin: used once, not cached
+    monkeypatch.setattr(machine, "MIN_CACHED_DISK_SAMPLE", 0)
+    second = bandwidths(disk_file=experts)
+    assert second.memory.source.startswith("measured ") and "cached in" in second.memory.source
+    assert second.memory.gbps == first.memory.gbps and second.disk.source.startswith("measured now")
+    third = bandwidths(disk_file=experts)
+    assert third.disk.gbps == second.disk.gbps and "cached in" in third.disk.source
+    assert not third.disk.source.startswith("measured now")
+    again = bandwidths(disk_file=experts, measure=True)
+    assert again.disk.source.startswith("measured now") and again.memory.source.startswith("measured now")
+    given = bandwidths(disk_file=experts, disk_gbps=1.5, mem_gbps=3.0)
+    assert (given.disk.gbps, given.memory.gbps) == (1.5, 3.0)
+
+
+def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_path: Path) -> None:
+    """A bench/scale.py result (its shape) on the memory_planning plot: the measured run at the
+    RAM it planned with, and what `waste plan` (predict_run) predicts for that RAM."""
+    from waste.analysis.whatif import measured_points
+
+    plan = make_plan(str(q4))
+    runtime = 300 << 20
+    ram = _ram_for_half_the_experts(plan, runtime)
+    predicted = predict_run(plan, ram, RATES, runtime=runtime)
+    run = {"store": "streaming", "cache_budget": predicted.memory.cache_budget, "decode_hit_rate_steady": 0.4,
+           "decode_tps_steady": 1.5, "prefill_tps": 20.0, "peak_rss": predicted.memory.planned_peak,
+           "memory_plan": predicted.memory.as_dict(),
+           "prediction": {"waste_plan": predicted.as_dict(), "decode_bound_tps_measured_hit": 2.5}}
+    (tmp_path / "scale-tiny-q4.json").write_text(json.dumps({"preset": "tiny", "scheme": "q4", "runs": [run]}))
+    (point,) = measured_points(tmp_path)
+    assert point.label == "bench/scale.py streaming" and (point.preset, point.scheme) == ("tiny", "q4")
+    assert point.ram_bytes == ram and point.tokens_per_second == 1.5
+    assert point.predicted_tps == predicted.bound.tokens_per_second
+    from waste.analysis.whatif import curve_over_hit_rate, curve_over_ram, plot_what_if, what_if
+
+    rates = {"nvme_gbps": 2.0, "mem_gbps": 10.0, "gmacs": 5.0}
+    current = what_if(make_plan(str(q4), ram=ram), **rates)
+    rams = [ram // 2, ram, 2 * ram]
+    over_ram = curve_over_ram(lambda r: make_plan(str(q4), ram=r), rams, **rates)
+    fig = plot_what_if(rams, over_ram, [0.0, 1.0], curve_over_hit_rate(current.plan, [0.0, 1.0], **rates), current,
+                       [point])
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    triangle = lines["waste plan's prediction for streaming"]
+    assert list(triangle.get_xdata()) == [ram / 2**30] and list(triangle.get_ydata()) == [point.predicted_tps]

@@ -1,0 +1,163 @@
+"""This machine's disk and memory bandwidths, for the decode bound `waste plan` predicts.
+
+Measured once and cached in `machine.json` under `$WASTE_CACHE_DIR` (default
+`~/.cache/waste`), so that a plan costs nothing the second time:
+
+- disk: a sequential read of up to DISK_SAMPLE_BYTES of a container's experts.bin in 8 MiB
+  reads, with O_DIRECT where the file system takes it (otherwise buffered, after evicting the
+  file from the page cache), cached per file system (its device number); what the expert
+  store's reads can reach at best on that disk;
+- memory: `copy_bandwidth` (waste.analysis.budget), bytes read plus written per second by a
+  copy of MEMORY_SAMPLE_BYTES.
+
+`--disk-gbps` and `--mem-gbps` override either; `--measure` measures again. Every figure
+carries where it came from, which `waste plan` prints. A disk figure from a read shorter than
+MIN_CACHED_DISK_SAMPLE (a small container) is used for that plan only and never cached.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from waste.errors import WasteError
+from waste.fileio import write_atomic
+
+DISK_SAMPLE_BYTES = 1 << 30
+DISK_BLOCK = 8 << 20
+MIN_CACHED_DISK_SAMPLE = 256 << 20  # a shorter read (a small container) is used once, never cached
+MEMORY_SAMPLE_BYTES = 256 << 20
+CACHE_FILE = "machine.json"
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """One figure in decimal GB/s and where it came from."""
+
+    gbps: float
+    source: str  # e.g. "given (--disk-gbps)", "measured now: 1.0 GB of .../experts.bin, direct"
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    disk: Bandwidth
+    memory: Bandwidth
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"disk_gbps": self.disk.gbps, "disk_source": self.disk.source, "mem_gbps": self.memory.gbps,
+                "mem_source": self.memory.source}
+
+
+def cache_path() -> Path:
+    base = os.environ.get("WASTE_CACHE_DIR")
+    if not base:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "waste"
+    return Path(base) / CACHE_FILE
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, data: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: f.write(json.dumps(data, indent=1).encode()))
+    except OSError:
+        pass  # a cache that cannot be written only means measuring again next time
+
+
+def _device_key(path: Path) -> str:
+    st = os.stat(path)
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def _cached(entry: Any, where: Path) -> Bandwidth | None:
+    if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
+        return Bandwidth(float(entry["gbps"]), f"measured {entry.get('when', '?')}: {entry.get('what', '?')}; "
+                                               f"cached in {where}")
+    return None
+
+
+def measure_disk(path: Path, limit: int | None = DISK_SAMPLE_BYTES, *, direct: bool = True,
+                 block: int = DISK_BLOCK) -> dict[str, Any]:
+    """Sequential read of `path` from its start (up to `limit` bytes; None: all of it) in `block`
+    byte reads, with O_DIRECT when `direct` and the file system takes it, else buffered after
+    evicting the file from the page cache: {bytes, seconds, gbps, io_mode}."""
+    flag = getattr(os, "O_DIRECT", 0) if direct else 0
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    try:
+        try:
+            fd, io_mode = os.open(path, os.O_RDONLY | flag), "direct" if flag else "buffered"
+        except OSError:
+            fd, io_mode = os.open(path, os.O_RDONLY), "buffered"
+        try:
+            if io_mode == "buffered":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages go; the read comes from disk
+            total = 0
+            t0 = time.perf_counter()
+            while limit is None or total < limit:
+                got = os.preadv(fd, [buf], total)
+                if got == 0:
+                    break
+                total += got
+            seconds = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise WasteError(f"measuring the disk with {path}: {e.strerror}") from None
+    finally:
+        buf.close()
+    if total == 0 or seconds <= 0:
+        raise WasteError(f"measuring the disk with {path}: nothing to read")
+    return {"bytes": total, "seconds": seconds, "gbps": total / seconds / 1e9, "io_mode": io_mode}
+
+
+def bandwidths(*, disk_file: Path, disk_gbps: float | None = None, mem_gbps: float | None = None,
+               measure: bool = False) -> Bandwidths:
+    """The disk and memory bandwidths to plan with: given, else cached, else measured (the disk
+    on `disk_file`, a container's experts.bin, and cached for its file system)."""
+    from waste.analysis.budget import copy_bandwidth
+
+    path = cache_path()
+    cache = _read_cache(path)
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    changed = False
+    disks = cache.get("disks") if isinstance(cache.get("disks"), dict) else {}
+    if disk_gbps is not None:
+        disk = Bandwidth(disk_gbps, "given (--disk-gbps)")
+    else:
+        key = _device_key(disk_file)
+        cached = None if measure else _cached(disks.get(key), path)
+        if cached is None:
+            m = measure_disk(disk_file)
+            what = f"{m['bytes'] / 1e9:.2f} GB of {disk_file} read sequentially, {m['io_mode']}, device {key}"
+            if m["bytes"] >= MIN_CACHED_DISK_SAMPLE:
+                disks[key] = {"gbps": m["gbps"], "when": when, "what": what}
+                cached, changed = Bandwidth(m["gbps"], f"measured now: {what}; cached in {path}"), True
+            else:
+                cached = Bandwidth(m["gbps"], f"measured now: {what}; too short a read to cache or trust")
+        disk = cached
+    if mem_gbps is not None:
+        memory = Bandwidth(mem_gbps, "given (--mem-gbps)")
+    else:
+        cached = None if measure else _cached(cache.get("memory"), path)
+        if cached is None:
+            m = copy_bandwidth(MEMORY_SAMPLE_BYTES, rounds=3)
+            what = f"best of 3 copies of {m['buffer_bytes'] >> 20} MiB, bytes read + written"
+            cache["memory"] = {"gbps": m["gbps"], "when": when, "what": what}
+            cached, changed = Bandwidth(m["gbps"], f"measured now: {what}; cached in {path}"), True
+        memory = cached
+    if changed:
+        _write_cache(path, {**cache, "disks": disks})
+    return Bandwidths(disk, memory)
