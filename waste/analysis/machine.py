@@ -8,7 +8,7 @@ Measured once and cached in `machine.json` under `$WASTE_CACHE_DIR` (default
   file from the page cache), cached per file system (its device number); what the expert
   store's reads can reach at best on that disk;
 - memory: `copy_bandwidth` (waste.analysis.budget), bytes read plus written per second by a
-  copy of MEMORY_SAMPLE_BYTES.
+  copy of MEMORY_SAMPLE_BYTES on as many threads as Numba's kernels use.
 
 `--disk-gbps` and `--mem-gbps` override either; `--measure` measures again. Every figure
 carries where it came from, which `waste plan` prints. A disk figure from a read shorter than
@@ -153,8 +153,12 @@ def bandwidths(*, disk_file: Path, disk_gbps: float | None = None, mem_gbps: flo
     else:
         cached = None if measure else _cached(cache.get("memory"), path)
         if cached is None:
-            m = copy_bandwidth(MEMORY_SAMPLE_BYTES, rounds=3)
-            what = f"best of 3 copies of {m['buffer_bytes'] >> 20} MiB, bytes read + written"
+            from waste.jit import num_threads
+
+            # On as many threads as the kernels run on (one core alone may not reach what two do).
+            m = copy_bandwidth(MEMORY_SAMPLE_BYTES, rounds=3, threads=num_threads())
+            what = (f"best of 3 copies of {m['buffer_bytes'] >> 20} MiB on {m['threads']} threads, bytes read + "
+                    "written")
             cache["memory"] = {"gbps": m["gbps"], "when": when, "what": what}
             cached, changed = Bandwidth(m["gbps"], f"measured now: {what}; cached in {path}"), True
         memory = cached
