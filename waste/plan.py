@@ -393,6 +393,8 @@ def cmd_plan(args: Any) -> int:
     else:
         print(format_plan(plan))
         if prediction is not None:
+            print("(the RAM budget lines above price the model's bytes alone; the run below also holds its runtime, "
+                  "working buffers and headroom)")
             print(prediction.describe())
         if sweep is not None:
             print(format_sweep(plan.config, sweep))
