@@ -3,8 +3,8 @@ sessions, prefill/decode consistency, AttnRes bookkeeping and the latent MoE on 
 
 Tolerances: with an f32 trunk and f32 experts the engine meets the issue's 1e-5 (relative L2)
 at every layer and at the logits, as for Kimi-Linear. With MXFP4 experts the oracle applies the
-engine's routing and the tolerance counts the int8 activation rounding of the expert products
-(`waste.engine.check.check_tolerance`). The hand-
+engine's routing and the tolerance follows from the int8 activation rounding of the expert products
+propagated through the model (`waste.engine.check.check_tolerance`). The hand-
 built unit cases compare float32 engine code with the float64 oracle at 1e-5 of the scale.
 """
 

@@ -91,3 +91,23 @@ def test_reference_dequantize_reads_mxfp4_buffers():
     np.testing.assert_array_equal(w[1, :4], [1.0, -3.0, 6.0, -12.0])
     assert not w[:, 4:].any()
     np.testing.assert_array_equal(reference_dequantize(qm, rows=np.array([1])), w[1:])
+
+
+def test_round_activation_int8_is_the_codes_times_their_scales():
+    """The rounding model's int8 rounding gives the values reference_quantize_activation's codes
+    and scales stand for, NaN where a group is not finite, and leaves K unpadded."""
+    from waste.reference.quant import RoundedInputWeights, reference_round_activation_int8
+
+    rng = np.random.default_rng(3)
+    X = (rng.standard_normal((4, 70)) * rng.uniform(0.01, 100, (4, 1))).astype(np.float32)
+    X[1, 40] = np.nan
+    codes, scales = reference_quantize_activation(X)
+    want = (codes * scales[..., None]).reshape(4, -1)[:, :70]
+    got = reference_round_activation_int8(X)
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got[1, 32:64]).all() and np.isfinite(got[1, :32]).all()
+    assert 0 < np.abs(got[0] - X[0]).max() <= np.abs(X[0]).max() / 127 / 2 * 1.0001
+    w = rng.standard_normal((5, 70))
+    rounded = RoundedInputWeights(w, "q8g")
+    np.testing.assert_array_equal(X[2:] @ rounded.T, got[2:] @ w.T)
+    assert np.asarray(rounded) is w

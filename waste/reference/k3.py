@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from waste.reference.mla import sigmoid
+from waste.reference.quant import product_weights
 
 
 def situ(g: np.ndarray, u: np.ndarray, beta: float | None, linear_beta: float | None) -> np.ndarray:
@@ -27,8 +28,8 @@ def situ_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.nda
              beta: float | None, linear_beta: float | None) -> np.ndarray:
     """down(SiTU(gate x, up x)) in float64: x [T, in] -> [T, out]."""
     x = np.asarray(x, np.float64)
-    h = situ(x @ np.asarray(w_gate, np.float64).T, x @ np.asarray(w_up, np.float64).T, beta, linear_beta)
-    return h @ np.asarray(w_down, np.float64).T
+    h = situ(x @ product_weights(w_gate).T, x @ product_weights(w_up).T, beta, linear_beta)
+    return h @ product_weights(w_down).T
 
 
 def attn_res_weights(candidates: list[np.ndarray], w_eff: np.ndarray, eps: float) -> np.ndarray:

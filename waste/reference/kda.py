@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from waste.errors import WasteError
+from waste.reference.quant import product_weights
 
 L2_EPS = 1e-6
 SOFTPLUS_LINEAR_ABOVE = 20.0
@@ -198,7 +199,7 @@ def naive_kda_layer(x: np.ndarray, weights: dict[str, np.ndarray], cfg: Any, *,
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
 
     def w(name: str) -> np.ndarray:
-        return np.asarray(weights[name], np.float64)
+        return product_weights(weights[name])
 
     rings = []
     qkv = []

@@ -17,6 +17,7 @@ import numpy as np
 
 from waste.reference.mla import rms_norm
 from waste.reference.moe import ExpertWeights, route
+from waste.reference.quant import product_weights
 
 MLP = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (x, gate, up, down) -> y
 
@@ -48,14 +49,14 @@ def latent_moe_ffn(
     ids = own_ids
     if forced_ids is not None:
         ids, weights = route(logits, bias, forced_ids=forced_ids, **route_options)
-    z = x @ np.asarray(down_proj, np.float64).T  # [T, R]
+    z = x @ product_weights(down_proj).T  # [T, R]
     y = np.zeros_like(z)
     for t in range(x.shape[0]):
         for e, w in zip(ids[t], weights[t], strict=True):
             y[t] += w * mlp(z[t : t + 1], *expert(int(e)))[0]
     if norm is not None:
         y = rms_norm(y, norm, eps)
-    y = y @ np.asarray(up_proj, np.float64).T
+    y = y @ product_weights(up_proj).T
     if shared is not None:
         y += mlp(x, *shared)
     return y, own_ids

@@ -15,6 +15,12 @@ attn is KDA (`waste.reference.kda`) or MLA (`waste.reference.mla`); ffn is the d
 for l < first_k_dense_replace, else the routed MoE (`waste.reference.moe`) with the router
 computed in float64 too (a float32 engine can only differ on near-ties of the top-k).
 
+With `round_activations` the oracle becomes the engine's rounding model: every product over a
+matrix stored as q8g, q4g or mxfp4 first rounds its input to int8 per group of 32 (scale amax / 127,
+docs/QUANT.md "Activations"), and over bf16 to bfloat16, in float64 otherwise; f32 matrices, the
+embedding lookup and MLA's kv_b_proj (applied in float32 by the engine) round nothing. `waste check`
+derives its tolerance from how far this oracle moves from the exact one.
+
 The container offers `.config`, `.tensor(name)` (float32 arrays), `.matrix(name)` and
 `.expert(layer, e) -> (w1, w3, w2)` (objects with `.fmt`, `.shape` and `.buffers`), and `.has(name)`.
 """
@@ -33,7 +39,7 @@ from waste.reference.kda import naive_kda_layer
 from waste.reference.latent_moe import MLP, latent_moe_ffn
 from waste.reference.mla import naive_mla_layer, rms_norm
 from waste.reference.moe import moe_ffn, swiglu
-from waste.reference.quant import reference_dequantize
+from waste.reference.quant import ACTIVATION_ROUNDING, RoundedInputWeights, reference_dequantize
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
 LM_HEAD_BLOCK = 2048  # vocabulary rows decoded to float64 at a time (bounds the temporaries)
@@ -61,7 +67,8 @@ class ReferenceOutput:
 class ReferenceModel:
     """The float64 forward over an open container."""
 
-    def __init__(self, container: Any, *, router_weights: str = "unbiased", cache_bytes: int = 1 << 30):
+    def __init__(self, container: Any, *, router_weights: str = "unbiased", cache_bytes: int = 1 << 30,
+                 round_activations: bool = False):
         if router_weights not in ROUTER_WEIGHTS:
             raise WasteError(f"router_weights must be one of {', '.join(ROUTER_WEIGHTS)}, got {router_weights!r}")
         cfg = container.config
@@ -69,6 +76,7 @@ class ReferenceModel:
         self.config = cfg
         self.mlp = gated_mlp(cfg)  # SwiGLU or SiTU: dense, shared and routed experts alike
         self.router_weights = router_weights
+        self.round_activations = round_activations  # the engine's rounding model (module docstring)
         # Dequantised float64 weights are kept while they fit this budget, so repeated forwards
         # on a tiny model do not dequantise again; past it they are rebuilt on every use.
         self.cache_bytes = cache_bytes
@@ -81,11 +89,19 @@ class ReferenceModel:
             self._cached += nbytes
         return value
 
-    def matrix(self, name: str) -> np.ndarray:
+    def _product_weights(self, m: Any) -> np.ndarray | RoundedInputWeights:
+        """A stored matrix as float64 weights, rounding its products' inputs under `round_activations`."""
+        w = reference_dequantize(m)
+        return RoundedInputWeights(w, m.fmt) if self._rounds(m.fmt) else w
+
+    def _rounds(self, fmt: str) -> bool:
+        return self.round_activations and fmt in ACTIVATION_ROUNDING
+
+    def matrix(self, name: str) -> np.ndarray | RoundedInputWeights:
         """A weight matrix dequantised to float64."""
         if name not in self._cache:
-            w = reference_dequantize(self.container.matrix(name))
-            return self._keep(name, w, w.nbytes)
+            w = self._product_weights(self.container.matrix(name))
+            return self._keep(name, w, np.asarray(w).nbytes)
         return self._cache[name]
 
     def tensor(self, name: str) -> np.ndarray:
@@ -95,12 +111,12 @@ class ReferenceModel:
             return self._keep(name, t, t.nbytes)
         return self._cache[name]
 
-    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray | RoundedInputWeights, ...]:
         """Routed expert e of a layer as float64 (w1 gate, w3 up, w2 down)."""
         key = ("expert", layer, e)
         if key not in self._cache:
-            w = tuple(reference_dequantize(m) for m in self.container.expert(layer, e))
-            return self._keep(key, w, sum(a.nbytes for a in w))
+            w = tuple(self._product_weights(m) for m in self.container.expert(layer, e))
+            return self._keep(key, w, sum(np.asarray(a).nbytes for a in w))
         return self._cache[key]
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
@@ -111,6 +127,8 @@ class ReferenceModel:
         name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         m = self.container.matrix(name)
         vocab = m.shape[0]
+        if self._rounds(m.fmt):
+            x = ACTIVATION_ROUNDING[m.fmt](x)
         logits = np.empty((x.shape[0], vocab))
         for r in range(0, vocab, LM_HEAD_BLOCK):
             rows = np.arange(r, min(vocab, r + LM_HEAD_BLOCK))

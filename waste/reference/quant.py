@@ -109,6 +109,28 @@ def reference_quantize_activation(X: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return codes, scales
 
 
+def reference_round_activation_int8(X: np.ndarray) -> np.ndarray:
+    """X [..., K] as a q8g, q4g or mxfp4 product sees it, in float64: per row and group of 32 along
+    K, the codes rint(x * (127 / amax)) in [-127, 127] (float32 arithmetic) times amax / 127, as in
+    docs/QUANT.md "Activations" (the values `reference_quantize_activation`'s codes and scales stand
+    for). A group holding NaN or an infinity becomes NaN."""
+    X = np.asarray(X, np.float32)
+    K = X.shape[-1]
+    rows = X.reshape(-1, K)
+    G = -(-K // GROUP)
+    groups = np.zeros((rows.shape[0], G * GROUP), np.float32)
+    groups[:, :K] = rows
+    groups = groups.reshape(rows.shape[0], G, GROUP)
+    finite = np.isfinite(groups).all(axis=-1)
+    amax = np.where(finite, np.abs(np.where(np.isfinite(groups), groups, 0)).max(axis=-1), np.float32(0))
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0)).astype(np.float32)
+    codes = np.clip(np.rint(np.where(np.isfinite(groups), groups, 0) * inv[..., None]), -127, 127)
+    scales = np.where(finite, (amax / np.float32(127.0)).astype(np.float64), np.nan)
+    out = codes.astype(np.float64) * scales[..., None]
+    return out.reshape(rows.shape[0], G * GROUP)[:, :K].reshape(X.shape)
+
+
 def reference_round_to_bf16(X: np.ndarray) -> np.ndarray:
     """X float32 rounded to bfloat16 as vcvtneps2bf16 does, in float64: to nearest, ties to even;
     float32 subnormals become zeros of their sign; NaN stays NaN."""
@@ -202,3 +224,46 @@ def reference_quantize_blocks(w: np.ndarray, nb: int, k: int, fmt: str, tscale: 
         packed = codes[..., : GROUP // 2] | (codes[..., GROUP // 2:] << 4)
         qs = packed.reshape(nb, ROWS, g, GROUP // 8, 4).transpose(0, 2, 3, 1, 4)
     return qs.reshape(nb, g, BLOCK_BYTES[fmt]), s16.reshape(nb, ROWS, g).transpose(0, 2, 1)
+
+
+# How each stored format's product rounds its input (`RoundedInputWeights`); f32 does not.
+ACTIVATION_ROUNDING = {"q8g": reference_round_activation_int8, "q4g": reference_round_activation_int8,
+                       "mxfp4": reference_round_activation_int8, "bf16": reference_round_to_bf16}
+
+
+class RoundedInputWeights:
+    """Float64 weights w [N, K] whose products `x @ w.T` first round x as the engine's product over
+    the stored format does (`ACTIVATION_ROUNDING`): the rounding model behind `waste check`'s
+    tolerance. `np.asarray` gives the plain weights, for uses that are no such product (MLA's
+    kv_b_proj, which the engine applies in float32 from its dequantised weights)."""
+
+    __array_ufunc__ = None  # `x @ self.T` defers to `_RoundedTranspose.__rmatmul__`
+
+    def __init__(self, w: np.ndarray, fmt: str):
+        self.w, self.round_input = w, ACTIVATION_ROUNDING[fmt]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    @property
+    def T(self) -> _RoundedTranspose:  # noqa: N802 - numpy's spelling
+        return _RoundedTranspose(self)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:  # noqa: ANN001 - numpy's protocol
+        return self.w if dtype is None else self.w.astype(dtype, copy=False)
+
+
+class _RoundedTranspose:
+    __array_ufunc__ = None
+
+    def __init__(self, weights: RoundedInputWeights):
+        self.weights = weights
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return self.weights.round_input(x) @ self.weights.w.T
+
+
+def product_weights(w) -> np.ndarray | RoundedInputWeights:  # noqa: ANN001 - an array or RoundedInputWeights
+    """The weights of a product `x @ w.T` as float64, keeping a `RoundedInputWeights` as it is."""
+    return w if isinstance(w, RoundedInputWeights) else np.asarray(w, np.float64)
