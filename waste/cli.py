@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=SEED, default=0)
     s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=None, help=PREFILL_CHUNK_HELP)
     s.add_argument("--tolerance", type=_float(0.0, low_open=True), default=None,
-                   help="relative error allowed (default: 1e-5 for f32, else 1.5x the modelled rounding error)")
+                   help="relative error allowed (default: 1e-5 for f32, else from the modelled rounding error)")
     s.add_argument("--source", metavar="CHECKPOINT_DIR", default=None,
                    help="the oracle reads this checkpoint (the one the container was converted from) instead of "
                         "the container's weights, so the weight format's own error counts too")
