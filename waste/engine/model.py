@@ -41,7 +41,11 @@ from waste.engine.session import Session, read_session_file, restore_session
 from waste.engine.trace import expand_hits
 from waste.errors import NonFiniteError, WasteError
 
-DEFAULT_PREFILL_CHUNK = 32
+# Tokens per KDA prefill call (and lm_head call when every position's logits are kept). On `mini`
+# (bench/engine.py --sweep-chunks 16 32 64 128 256 2048, 512 tokens, shared machine at load 8-11,
+# 2026-11-30; to be confirmed quietly) 16 and 32 were the slowest in f32, q8 and q4; 256 had the
+# best median in q8 and was within 20% of the best round in f32 and q4.
+DEFAULT_PREFILL_CHUNK = 256
 # Tokens a prefill pass takes through each layer at once: the residual stream of a pass is
 # PREFILL_PASS_TOKENS x hidden floats (19 MB at 2048 x 2304), its MoE reads each expert once.
 PREFILL_PASS_TOKENS = 2048
