@@ -25,7 +25,7 @@ from conftest import max_rel_err
 
 from waste.errors import WasteError
 from waste.jit import kernel
-from waste.kernels import int8_blocks
+from waste.kernels import int8_blocks, mxfp4
 from waste.kernels import quant as qk
 from waste.kernels.quant import QMatrix, from_buffers, quantize
 from waste.qformat import FORMATS, QMAX, bits_per_weight, buffer_layout
@@ -176,6 +176,45 @@ def test_every_lowering_gives_the_same_bits(fmt: str, isa: str) -> None:
     qs, scales, tscale = m._qargs[:3]  # the kernels' arguments (for mxfp4, its repacked copy)
     _driver(isa)(qs, scales, tscale, xq, xsum, xs, Y)
     np.testing.assert_array_equal(Y[:, :N], m.matmul(X))
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+@pytest.mark.parametrize("fmt", int8_blocks.SMALL_CODES)
+def test_small_code_dots_are_exact_at_the_extreme_codes(fmt: str, isa: str) -> None:
+    """The largest unsigned codes (q4g 15, mxfp4 24: nibble 7, +6) and the smallest (0) against
+    activation codes +-127 at every position (all of one sign, then mixed): the AVX2 lowering
+    sums up to PAIR_SUMS_PER_INT16 vpmaddubsw results in int16, so the all-+127 and all--127
+    tokens reach that bound in every lane and one more would wrap. mxfp4 also takes scale bytes
+    0 (2^-127), 127 (1) and 255 (NaN). Expected: the integer dots times the scales, exact."""
+    rng = np.random.default_rng(11)
+    NB, G, T = 2, 3, 7
+    top, bottom = (0x77, 0xFF) if fmt == "mxfp4" else (0xFF, 0x00)  # both nibbles largest / smallest
+    qs = rng.choice(np.array([top, bottom, top & 0x0F | bottom & 0xF0, 0x00, 0x3C], np.uint8), size=(NB, G, 256))
+    qs[0, 0], qs[1, 0] = top, bottom
+    xq = rng.choice(np.array([-127, 127], np.int8), size=(T, G * 32))
+    xq[0], xq[1] = 127, -127
+    xsum = xq.reshape(T, G, 32).sum(axis=-1, dtype=np.int32)
+    # qs [b, g, chunk, row, i]: the low nibble is input 32g + 4 chunk + i of row 16b + row, the
+    # high nibble input 32g + 16 + 4 chunk + i.
+    nib = qs.reshape(NB, G, 4, 16, 4)
+    nibbles = np.concatenate([nib & 15, nib >> 4], axis=2).transpose(0, 3, 1, 2, 4).reshape(NB * 16, G * 32)
+    if fmt == "mxfp4":
+        w = mxfp4.E2M1_TWICE[nibbles].astype(np.int64)  # twice the E2M1 values
+        row_scale = rng.choice(np.array([0, 127, 255], np.uint8), size=NB * 16)
+        row_scale[:3] = (0, 127, 255)
+        scales = np.repeat(row_scale.reshape(NB, 1, 16), G, axis=1)
+        tscale = qk.MXFP4_TSCALE
+        factor = np.where(row_scale == 255, np.nan, np.ldexp(0.5, row_scale.astype(np.int32) - 127))
+    else:
+        w = nibbles.astype(np.int64) - 8
+        scales = np.full((NB, G, 16), np.float16(1.0).view(np.uint16), np.uint16)
+        tscale, factor = np.ones(1, np.float32), np.ones(NB * 16)
+    Y = np.full((T, NB * 16), np.nan, np.float32)
+    _driver(isa)(qs, scales, tscale, xq, xsum, np.ones((T, G), np.float32), Y)
+    # |dot| < 2^24 and one power of two per row: the float32 result is exact.
+    expected = (xq.astype(np.int64) @ w.T) * factor
+    assert (np.abs(xq.astype(np.int64) @ w.T) < 2**24).all()
+    np.testing.assert_array_equal(Y, expected.astype(np.float32))
 
 
 @pytest.mark.parametrize("isa", HOST_ISAS)

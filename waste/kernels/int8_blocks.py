@@ -38,6 +38,7 @@ PREFETCH_BYTES = 2048
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _VB = ir.VectorType(_I8, CHUNK)  # 16 rows x 4 codes
 _VI = ir.VectorType(_I32, ROWS)
+_V16 = ir.VectorType(_I16, 16)  # one vpmaddubsw result: 8 rows x 2 pair sums
 _VF = ir.VectorType(_F32, ROWS)
 
 
@@ -48,9 +49,18 @@ _VF = ir.VectorType(_F32, ROWS)
 _IEEE = ("arcp",)
 
 ISAS = ("vnni", "avx2", "generic")
-SMALL_CODES = ("q4g", "mxfp4")  # codes <= 24: two products of 127 times a code fit an int16
 # The unsigned code of each mxfp4 nibble: twice its E2M1 value plus the offset.
 _MXFP4_LUT = [int(v) + CODE_OFFSET["mxfp4"] for v in mxfp4.E2M1_TWICE]
+# Formats whose unsigned codes are small enough for vpmaddubsw, and their largest code.
+CODE_MAX = {"q4g": 15, "mxfp4": max(_MXFP4_LUT)}
+SMALL_CODES = tuple(CODE_MAX)
+ACT_MAX = 127  # activation codes lie in [-127, 127] (quant._quantize_token clamps them)
+INT16_MAX = 32767
+# vpmaddubsw sums two products of a code and an activation into one int16 lane, at most
+# 2 x CODE_MAX x 127 in magnitude (q4g 3810, mxfp4 6096), so it never saturates; vpaddw can
+# add this many such results before a lane could pass 32767 (q4g 8, mxfp4 5), after which
+# one vpmaddwd widens them to int32. Exact: the same integers as one vpmaddwd per result.
+PAIR_SUMS_PER_INT16 = {fmt: INT16_MAX // (2 * top * ACT_MAX) for fmt, top in CODE_MAX.items()}
 
 
 def _host_isa() -> str:
@@ -106,25 +116,32 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vt: ir.VectorType) -> ir.Valu
 
 def _dot4(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, x4: ir.Value, isa: str) -> ir.Value:
     """acc[r] += sum_i u8(w[4r + i]) * s8(x4 byte i): acc <16 x i32>, w <64 x i8>, x4 i32
-    (isa "avx2": codes small enough that two products fit an int16, SMALL_CODES)."""
+    (isa "vnni" or "generic"; "avx2" goes through _pairs_avx2 and _widen_pairs)."""
     xb = _splat(builder, x4, _VI)
     if isa == "vnni":
         return _x86(builder, "llvm.x86.avx512.vpdpbusd.512", _VI, acc, builder.bitcast(w, _VI), xb)
-    if isa == "avx2":
-        # vpmaddubsw sums byte pairs into int16 lanes, vpmaddwd pairs of those into int32: one
-        # row's 4 products per lane, rows 0-7 from the first 32 bytes and 8-15 from the rest.
-        x32 = _halves(builder, builder.bitcast(xb, _VB))[0]
-        ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
-        sums = [_x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8),
-                     _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), h, x32), ones)
-                for h in _halves(builder, w)]
-        return builder.add(acc, _join(builder, *sums))
     wide = ir.VectorType(_I32, CHUNK)
     p = builder.mul(builder.zext(w, wide), builder.sext(builder.bitcast(xb, _VB), wide))
     for i in range(4):
         lanes = ir.Constant(ir.VectorType(_I32, ROWS), [4 * r + i for r in range(ROWS)])
         acc = builder.add(acc, builder.shuffle_vector(p, ir.Constant(wide, ir.Undefined), lanes))
     return acc
+
+
+def _pairs_avx2(builder: ir.IRBuilder, w: ir.Value, x4: ir.Value) -> list[ir.Value]:
+    """vpmaddubsw of each 32-byte half of w <64 x i8> (unsigned codes) with the 4 signed bytes of
+    x4 i32 repeated: two <16 x i16>, lane 2r + j of half h holding row 8h + r's products of
+    bytes 2j and 2j + 1 of x4, summed (exact for SMALL_CODES, see PAIR_SUMS_PER_INT16)."""
+    x32 = _halves(builder, builder.bitcast(_splat(builder, x4, _VI), _VB))[0]
+    return [_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16, h, x32) for h in _halves(builder, w)]
+
+
+def _widen_pairs(builder: ir.IRBuilder, acc: ir.Value, pairs: list[ir.Value]) -> ir.Value:
+    """acc <16 x i32> plus, per row, the sum of its two int16 lanes in each half of pairs
+    (vpmaddwd by ones): rows 0-7 from the first half, 8-15 from the second."""
+    ones = ir.Constant(_V16, [1] * 16)
+    sums = [_x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), p, ones) for p in pairs]
+    return builder.add(acc, _join(builder, *sums))
 
 
 def _dot4_signed_avx2(builder: ir.IRBuilder, acc: ir.Value, w_abs: list[ir.Value], w: list[ir.Value],
@@ -164,12 +181,14 @@ _FORMAT_OF_DTYPES = {(types.int8, types.uint16): "q8g", (types.uint8, types.uint
 
 def _e8m0_to_f32(builder: ir.IRBuilder, s8: ir.Value) -> ir.Value:
     """E8M0 bytes <16 x i8> -> 2^(s - 127) <16 x float>: the byte is the float32 exponent field,
-    except 0 (2^-127, a subnormal) and 255 (NaN)."""
-    s32 = builder.zext(s8, _VI)
-    bits = builder.shl(s32, ir.Constant(_VI, [23] * ROWS))
-    for byte, value in ((0, 1 << 22), (255, 0x7FC00000)):
-        hit = builder.icmp_unsigned("==", s32, ir.Constant(_VI, [byte] * ROWS))
-        bits = builder.select(hit, ir.Constant(_VI, [value] * ROWS), bits)
+    except 0 (2^-127, a subnormal) and 255 (NaN). Two operations per 8 rows fix those: byte 0
+    is the only one that places below 2^-127's bits (an unsigned max), and byte 255 the only
+    one whose bits plus 2^23 carry into the sign (a select on the sign: vblendvps)."""
+    bits = builder.shl(builder.zext(s8, _VI), ir.Constant(_VI, [23] * ROWS))
+    bits = _x86(builder, "llvm.umax.v16i32", _VI, bits, ir.Constant(_VI, [1 << 22] * ROWS))
+    carried = builder.add(bits, ir.Constant(_VI, [1 << 23] * ROWS))
+    is_nan = builder.icmp_signed("<", carried, ir.Constant(_VI, None))
+    bits = builder.select(is_nan, ir.Constant(_VI, [0x7FC00000] * ROWS), bits)
     return builder.bitcast(bits, _VF)
 
 
@@ -220,6 +239,9 @@ def _make_block(tokens: int, isa: str):
                 wbase = builder.mul(bg, c(BLOCK_BYTES[fmt]))
                 xbase = [builder.add(builder.mul(r, Kp), builder.mul(g, c(GROUP))) for r in rows]
                 iacc = [ir.Constant(_VI, None) for _ in range(tokens)]
+                # avx2: each token's vpmaddubsw results summed in int16 since its last widening
+                pending: list[list[ir.Value] | None] = [None] * tokens
+                n_pending = [0] * tokens
                 for ch in range(BLOCK_BYTES[fmt] // CHUNK):
                     # A prefetch never faults (it does not change program behaviour), so running
                     # past the end of qs is harmless.
@@ -244,7 +266,19 @@ def _make_block(tokens: int, isa: str):
                     for t in range(tokens):
                         for wpart, k in parts:
                             x4 = builder.load(at(xq_, builder.add(xbase[t], c(k)), _I32), align=1)
-                            iacc[t] = _dot4(builder, iacc[t], wpart, x4, dot_isa)
+                            if dot_isa != "avx2":
+                                iacc[t] = _dot4(builder, iacc[t], wpart, x4, dot_isa)
+                                continue
+                            if n_pending[t] == PAIR_SUMS_PER_INT16[fmt]:
+                                iacc[t] = _widen_pairs(builder, iacc[t], pending[t])
+                                pending[t], n_pending[t] = None, 0
+                            pairs = _pairs_avx2(builder, wpart, x4)
+                            pending[t] = pairs if pending[t] is None else [
+                                builder.add(a, p) for a, p in zip(pending[t], pairs, strict=True)]
+                            n_pending[t] += 1
+                for t in range(tokens):
+                    if pending[t] is not None:
+                        iacc[t] = _widen_pairs(builder, iacc[t], pending[t])
                 if fmt == "mxfp4":
                     scale = _e8m0_to_f32(builder, builder.load(at(sc_, builder.mul(bg, c(ROWS)),
                                                                   ir.VectorType(_I8, ROWS)), align=1))

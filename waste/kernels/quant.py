@@ -293,7 +293,7 @@ SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 # Numba's cache keys _rows on this file alone, though it inlines the blocks' generated code: a
 # change to int8_blocks' lowerings must change this file too, or cached kernels keep the old
-# code (the last such change: q8g's signed AVX2 dot).
+# code (the last such change: q4g's and mxfp4's AVX2 dots summing in int16).
 @kernel
 def _rows(qs, scales, xq, xsum, xs, Y, ts, b):
     """Row block b of Y for all tokens: tiles of TOKEN_TILE tokens, then one at a time."""
