@@ -12,6 +12,7 @@ import pytest
 from conftest import assert_close
 
 from waste.config import ModelConfig, parse_config, preset_dict
+from waste.engine.experts import Arrivals
 from waste.engine.moe_layer import DenseFFN, MoELayer
 from waste.errors import WasteError
 from waste.kernels.quant import QMatrix, quantize
@@ -189,3 +190,41 @@ def test_bad_configuration_is_refused() -> None:
     latent = _config(routed_expert_hidden_size=32)
     with pytest.raises(WasteError, match="latent MoE"):
         MoELayer.from_weights(latent, None, None, PREFIX, LAYER)
+
+
+class SplitFetchStore(FakeStore):
+    """A streaming store's `fetch`: the first `ready` experts at once, the rest one by one, last id first."""
+
+    def __init__(self, experts, ready: int):
+        super().__init__(experts)
+        self.ready = ready
+
+    def fetch(self, layer_index: int, expert_ids: list[int]) -> Arrivals:
+        pairs = list(enumerate(self.get(layer_index, expert_ids)))
+        return Arrivals(iter(pairs[: self.ready] + pairs[self.ready:][::-1]), self.ready)
+
+
+# SwiGLU, then SiTU with and without its linear beta
+ACTIVATION_CONFIGS = [{}, {"hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0},
+                      {"hidden_act": "situ", "activation_situ_beta": 2.0}]
+
+
+@pytest.mark.parametrize("act", range(len(ACTIVATION_CONFIGS)))
+@pytest.mark.parametrize("fmt", ["q8g", "q4g", "mxfp4"])
+def test_decode_of_q_experts_equals_one_expert_at_a_time(fmt: str, act: int) -> None:
+    """One token's routed experts run together (hits at once, misses as they arrive) give the
+    bits of the sum of each expert's own MLP, added in id order (the path before batching)."""
+    cfg = _config(num_experts_per_token=5, **ACTIVATION_CONFIGS[act])
+    rng = np.random.default_rng(19 + act)
+    layer, _, store = _build(cfg, rng)
+    experts = {key: tuple(quantize(m.dequantize(), fmt) for m in e) for key, e in store.experts.items()}
+    x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
+    ids, weights = layer.route(x)
+    want = np.zeros_like(x)
+    for e in sorted(ids[0].tolist()):
+        want += weights[0, ids[0].tolist().index(e)] * layer.mlp(x, *experts[LAYER, e])
+    want += layer.mlp(x, *layer.shared)
+    for source in (FakeStore(experts), *(SplitFetchStore(experts, ready) for ready in (0, 2, 5))):
+        y, info = layer.forward(x, source)
+        np.testing.assert_array_equal(info.ids, ids)
+        np.testing.assert_array_equal(y, want)

@@ -349,3 +349,41 @@ def test_qmatrix_is_frozen() -> None:
     assert isinstance(m, QMatrix)
     with pytest.raises(AttributeError):
         m.fmt = "q4g"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("fmt", ["q8g", "q4g", "mxfp4"])
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 16, 32), (5, 40, 64), (9, 33, 96)])
+def test_q_products_equal_one_product_each(fmt: str, M: int, N: int, K: int) -> None:
+    """Every matrix of one call against its own matvec, bit for bit, into a NaN-filled output
+    (each output element written); inputs shared by several matrices or one each."""
+    rng = np.random.default_rng(M * 100 + N)
+    ms = [quantize((rng.standard_normal((N, K)) * rng.uniform(0.01, 2, (N, 1))).astype(np.float32), fmt)
+          for _ in range(M)]
+    X = (rng.standard_normal((3, K)) * [[0.1], [1.0], [30.0]]).astype(np.float32)
+    rows = rng.integers(0, 3, M)
+    Y = qk.q_products(X, ms, rows)
+    assert Y.shape == (M, N) and Y.dtype == np.float32
+    for m, w in enumerate(ms):
+        np.testing.assert_array_equal(Y[m], w.matvec(X[rows[m]]))
+    padded = ms[0]._qargs[3]
+    Y_nan = np.full((M, 1, padded), np.nan, np.float32)
+    addresses = np.array([w._qaddress[:2] for w in ms], np.int64)
+    tscales = np.array([w._qaddress[2] for w in ms], np.float32)
+    qk._q_products(X, rows.astype(np.int64), addresses, tscales, *ms[0]._qargs[4:], Y_nan)
+    np.testing.assert_array_equal(Y_nan[:, 0, :N], Y)
+    assert np.isfinite(Y_nan).all()
+
+
+def test_q_products_refuse_mixed_matrices_and_bad_inputs() -> None:
+    rng = np.random.default_rng(5)
+    a, b = (quantize(rng.standard_normal((16, 32)).astype(np.float32), f) for f in ("q8g", "q4g"))
+    c = quantize(rng.standard_normal((32, 32)).astype(np.float32), "q8g")
+    X = np.ones((1, 32), np.float32)
+    for mixed in ([a, b], [a, c], [quantize(np.ones((16, 32)), "f32")]):
+        assert not qk.one_q_format(mixed)
+        with pytest.raises(WasteError, match="one format and shape"):
+            qk.q_products(X, mixed, np.zeros(len(mixed)))
+    with pytest.raises(WasteError, match="row ids"):
+        qk.q_products(X, [a, a], np.array([0, 1]))
+    with pytest.raises(WasteError, match="row ids"):
+        qk.q_products(np.ones((1, 31), np.float32), [a], np.array([0]))

@@ -121,6 +121,24 @@ class ExpertStats:
         return "\n".join(rows)
 
 
+class Arrivals(Iterator[tuple[int, Expert]]):
+    """What `fetch` returns: (index, expert) pairs in the order they become available, the first
+    `ready` of them without waiting (a MoE layer computes those together)."""
+
+    def __init__(self, pairs: Iterator[tuple[int, Expert]], ready: int):
+        self._pairs = pairs
+        self.ready = ready
+
+    def __next__(self) -> tuple[int, Expert]:
+        return next(self._pairs)
+
+    def close(self) -> None:
+        """Stop early: a store that reads cancels its queued reads and waits for the running ones."""
+        close = getattr(self._pairs, "close", None)
+        if close is not None:
+            close()
+
+
 class ExpertStore(ABC):
     """Hands out the routed experts of one container, layer by layer."""
 
@@ -137,11 +155,13 @@ class ExpertStore(ABC):
     def get(self, layer: int, expert_ids: Sequence[int]) -> list[Expert]:
         """The (w1, w3, w2) of each expert asked for, in the order asked."""
 
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Arrivals:
         """An iterator of (index into expert_ids, expert), one for every id asked for, in the order
         they become available; a store that reads from disk issues the reads at the call and hands
-        out its hits first. Once exhausted, the counters and the cache are as `get` leaves them."""
-        return enumerate(self.get(layer, expert_ids))
+        out its hits first (`ready` of them). Once exhausted, the counters and the cache are as
+        `get` leaves them."""
+        experts = self.get(layer, expert_ids)
+        return Arrivals(enumerate(experts), len(experts))
 
     @property
     def last_hits(self) -> np.ndarray:
@@ -323,7 +343,7 @@ class StreamingExpertStore(ExpertStore):
             out[i] = expert
         return out  # type: ignore[return-value]
 
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Arrivals:
         if self._fd is None:
             raise WasteError("expert store is closed")
         ids = self._check(layer, expert_ids)
@@ -369,7 +389,7 @@ class StreamingExpertStore(ExpertStore):
             st.hits += int(hits.sum())
             st.misses += len(missing)
 
-        return hand_out()
+        return Arrivals(hand_out(), len(found))
 
     def close(self) -> None:
         if self._pool is not None:

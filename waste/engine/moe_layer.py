@@ -10,6 +10,10 @@ The expert store interface (`waste.engine.experts` implements it):
 and optionally `store.fetch(layer_index, expert_ids)`, which yields (index, expert) as each
 arrives: the layer then computes the experts it has while the others are still being read,
 and adds their outputs in id order whatever the order of arrival (the same bits as `get`).
+`fetch`'s iterator may say in `ready` how many of its first pairs come without waiting (the
+hits of a cache; everything for `get`): a decode step runs those together, in three kernel
+calls for all of them (`waste.kernels.moe.gated_experts_one_token`), and each later one as it
+arrives.
 
 Every MLP here (dense, shared and routed experts) is gated: down(act(gate x, up x)), with
 act = SiLU(g) * u (SwiGLU, `hidden_act` "silu") or SiTU (K3, "situ"; see `waste.kernels.moe`).
@@ -22,13 +26,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
-from waste.kernels.moe import ROUTER_WEIGHTS, route, router_logits, situ_mlp, swiglu
+from waste.kernels.moe import (
+    ROUTER_WEIGHTS,
+    add_weighted,
+    gated_experts_one_token,
+    route,
+    router_logits,
+    situ_mlp,
+    swiglu,
+)
 from waste.kernels.quant import QMatrix
 
 GetMatrix = Callable[[str], QMatrix]
@@ -51,14 +64,21 @@ class RoutingInfo:
     dedup_ratio: float  # T*k / U
 
 
-def expert_mlp(cfg: ModelConfig) -> ExpertMLP:
-    """The gated MLP product of the config's `hidden_act`: SwiGLU, or SiTU with its two betas."""
+def situ_params(cfg: ModelConfig) -> tuple[float | None, float | None] | None:
+    """None for SwiGLU (`hidden_act` "silu"), (situ_beta, situ_linear_beta) for SiTU ("situ")."""
     if cfg.hidden_act == "silu":
-        return swiglu
+        return None
     if cfg.hidden_act != "situ":
         raise WasteError(f"hidden_act {cfg.hidden_act!r} is not supported (expected 'silu' or 'situ')")
-    beta = 1.0 if cfg.situ_beta is None else cfg.situ_beta
-    linear_beta = cfg.situ_linear_beta
+    return cfg.situ_beta, cfg.situ_linear_beta
+
+
+def expert_mlp(cfg: ModelConfig) -> ExpertMLP:
+    """The gated MLP product of the config's `hidden_act`: SwiGLU, or SiTU with its two betas."""
+    params = situ_params(cfg)
+    if params is None:
+        return swiglu
+    beta, linear_beta = params
 
     def situ(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix) -> np.ndarray:
         return situ_mlp(x, gate, up, down, beta, linear_beta)
@@ -113,6 +133,7 @@ class MoELayer:
         self.shared = shared
         self.router_weights = router_weights
         self.mlp = expert_mlp(cfg)
+        self.situ_params = situ_params(cfg)
         self.top_k = cfg.num_experts_per_token
         self.num_groups = cfg.num_expert_group
         self.topk_group = cfg.topk_group
@@ -157,19 +178,24 @@ class MoELayer:
         added after their sum."""
         ids, weights = self.route(x)
         unique = np.unique(ids)
-        arrivals = _arrivals(store, self.layer_index, unique)
+        arrivals, ready = _arrivals(store, self.layer_index, unique)
         extra = then_add() if then_add is not None else None
-        y = np.zeros_like(z)
         if z.shape[0] == 1:
-            # Decode: no row bookkeeping (it cost about 60 us per layer per token on `mini`).
-            rank = {e: r for r, e in enumerate(ids[0].tolist())}
-            rows = [slice(None)] * len(unique)
-            scale = [weights[0, rank[e]] for e in unique.tolist()]
+            y = self._one_token(z, ids, weights, unique, arrivals, ready)
         else:
-            # Top-k ids are distinct per token, so each row appears at most once per expert.
-            picks = [np.nonzero(ids == e) for e in unique]
-            rows = [r for r, _ in picks]
-            scale = [weights[r, k, None] for r, k in picks]
+            y = self._chunk(z, ids, weights, unique, arrivals)
+        if extra is not None:
+            y += extra
+        return y, RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
+
+    def _chunk(self, z: np.ndarray, ids: np.ndarray, weights: np.ndarray, unique: np.ndarray,
+               arrivals: Iterator[tuple[int, Expert]]) -> np.ndarray:
+        """The weighted sum of the routed experts over a chunk of tokens z [T, in], T > 1."""
+        y = np.zeros_like(z)
+        # Top-k ids are distinct per token, so each row appears at most once per expert.
+        picks = [np.nonzero(ids == e) for e in unique]
+        rows = [r for r, _ in picks]
+        scale = [weights[r, k, None] for r, k in picks]
         # Outputs are added in id order as soon as every lower id's is in: the sums of `get`.
         done: dict[int, np.ndarray] = {}
         added = 0
@@ -180,9 +206,34 @@ class MoELayer:
                 added += 1
         if added != len(unique):
             raise WasteError(f"expert store returned {added} experts for {len(unique)} requested ids")
-        if extra is not None:
-            y += extra
-        return y, RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
+        return y
+
+    def _one_token(self, z: np.ndarray, ids: np.ndarray, weights: np.ndarray, unique: np.ndarray,
+                   arrivals: Iterator[tuple[int, Expert]], ready: int) -> np.ndarray:
+        """The weighted sum of the routed experts for one token z [1, in] (decode): the `ready`
+        experts the store hands out at once in one batch (`gated_experts_one_token`), each later
+        one as it arrives, while the store reads the rest; then the outputs are added in id order,
+        the bits of the chunk path's sums."""
+        outs = np.empty((len(unique), z.shape[1]), np.float32)
+        computed = np.zeros(len(unique), bool)
+
+        def run(batch: list[tuple[int, Expert]]) -> None:
+            together = gated_experts_one_token(z, [expert for _, expert in batch], self.situ_params)
+            for j, (i, expert) in enumerate(batch):
+                outs[i] = together[j] if together is not None else self.mlp(z, *expert)[0]
+                computed[i] = True
+
+        first = list(islice(arrivals, ready))
+        if first:
+            run(first)
+        for arrival in arrivals:
+            run([arrival])
+        if not computed.all():
+            raise WasteError(f"expert store returned {int(computed.sum())} experts for {len(unique)} requested ids")
+        rank = {e: r for r, e in enumerate(ids[0].tolist())}
+        y = np.zeros_like(z)
+        add_weighted(y[0], outs, weights[0, [rank[e] for e in unique.tolist()]])
+        return y
 
     def forward(self, x: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
         """x [T, hidden] -> (y [T, hidden], RoutingInfo): routed experts plus the shared ones
@@ -194,17 +245,18 @@ class MoELayer:
         return self.routed(x, x, store, lambda: self.mlp(x, *shared))
 
 
-def _arrivals(store: ExpertSource, layer: int, unique: np.ndarray) -> Iterator[tuple[int, Expert]]:
-    """(index into unique, expert) as the store hands them out: `fetch` if it has one (its reads
-    start now), else `get`."""
+def _arrivals(store: ExpertSource, layer: int, unique: np.ndarray) -> tuple[Iterator[tuple[int, Expert]], int]:
+    """((index into unique, expert) as the store hands them out, how many of the first ones come
+    without waiting): `fetch` if the store has one (its reads start now), else `get`."""
     ids = [int(e) for e in unique]
     fetch = getattr(store, "fetch", None)
     if fetch is not None:
-        return fetch(layer, ids)
+        arrivals = fetch(layer, ids)
+        return arrivals, int(getattr(arrivals, "ready", 0))
     experts = store.get(layer, ids)
     if len(experts) != len(ids):
         raise WasteError(f"expert store returned {len(experts)} experts for {len(ids)} requested ids")
-    return enumerate(experts)
+    return enumerate(experts), len(ids)
 
 
 def router_and_shared(cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str

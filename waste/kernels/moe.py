@@ -25,12 +25,13 @@ Shapes: logits [T, E]; ids, weights [T, k]; x [T, in]; expert weights gate/up [I
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel
-from waste.kernels.quant import QMatrix, matmul_pair
+from waste.kernels.quant import QMatrix, matmul_pair, one_q_format, q_products
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
 
@@ -214,3 +215,55 @@ def situ_mlp(x: np.ndarray, w_gate: QMatrix, w_up: QMatrix, w_down: QMatrix, bet
     x = np.ascontiguousarray(x, np.float32)
     gate, up = matmul_pair(x, w_gate, w_up)
     return w_down.matmul(situ(gate, up, beta, linear_beta))
+
+
+@kernel
+def _activate_rows(gate, up, use_situ, beta, linear_beta, out):
+    """out[e] = act(gate[e], up[e]) for each row e of [E, I] arrays: each row through the very
+    call, on arrays of the very types, that swiglu and situ_mlp make for one token."""
+    for e in range(gate.shape[0]):
+        if use_situ:
+            _situ(gate[e], up[e], beta, linear_beta, out[e])
+        else:
+            _silu_mul(gate[e:e + 1], up[e:e + 1], out[e:e + 1])
+
+
+# fastmath off: no fused multiply-add, so each product is rounded to float32 before the sum.
+@kernel(fastmath=False)
+def _add_weighted(outs, weights, y):
+    for e in range(outs.shape[0]):
+        w = weights[e]
+        for j in range(y.shape[0]):
+            y[j] += w * outs[e, j]
+
+
+def add_weighted(y: np.ndarray, outs: np.ndarray, weights: np.ndarray) -> None:
+    """y += weights[e] * outs[e] for e = 0, 1, .. in turn, in float32: the bits of NumPy's
+    `y += w * out` row by row, in one call; y [N], outs [E, N], weights [E], float32."""
+    if y.dtype != np.float32 or outs.dtype != np.float32 or outs.shape[1:] != y.shape or y.ndim != 1:
+        raise WasteError(f"add_weighted: float32 y [N] and outs [E, N] expected, got {y.shape} and {outs.shape}")
+    _add_weighted(np.ascontiguousarray(outs), np.ascontiguousarray(weights, np.float32), y)
+
+
+def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
+                            situ_params: tuple[float | None, float | None] | None) -> np.ndarray | None:
+    """The gated MLPs of several experts on one token x [1, in] -> [E, out], row e equal bit for
+    bit to swiglu(x, *experts[e]) (situ_params None) or situ_mlp(x, *experts[e], *situ_params)
+    (situ_params = (beta, linear_beta)).
+
+    Three kernel calls whatever the number of experts: every expert's gate and up rows in one
+    parallel region (x quantised once), the activations, every down product in one more
+    region; against four calls and two parallel regions per expert one by one, each too
+    small to pay for entering the thread pool (quant `_q_products`). None when the experts
+    are not q matrices of one format and shape per projection (the caller runs them one by one).
+    """
+    n = len(experts)
+    gates_ups, downs = [m for e in experts for m in e[:2]], [e[2] for e in experts]
+    if not (one_q_format(gates_ups) and one_q_format(downs)):
+        return None
+    gate_up = q_products(x, gates_ups, np.zeros(2 * n, np.int64)).reshape(n, 2, -1)
+    gate, up = np.ascontiguousarray(gate_up[:, 0]), np.ascontiguousarray(gate_up[:, 1])
+    h = np.empty_like(gate)
+    beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
+    _activate_rows(gate, up, situ_params is not None, beta, linear_beta, h)
+    return q_products(h, downs, np.arange(n))

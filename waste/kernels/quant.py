@@ -35,10 +35,14 @@ Shapes: x [K], X [T, K], y [N], Y [T, N].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
+import numba
 import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
@@ -77,6 +81,8 @@ class QMatrix:
             return
         # qs[:0], scales[:0]: the empty second matrix of a single product
         object.__setattr__(self, "_qargs", (qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
+        # Where the kernels' buffers live, for q_products' table of matrices
+        object.__setattr__(self, "_qaddress", (qs.ctypes.data, scales.ctypes.data, float(tscale[0])))
 
     @property
     def nbytes(self) -> int:
@@ -167,6 +173,37 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     if padded != a.shape[0]:
         return np.ascontiguousarray(Ya[:, :a.shape[0]]), np.ascontiguousarray(Yb[:, :a.shape[0]])
     return Ya, Yb
+
+
+def one_q_format(matrices: Sequence[QMatrix]) -> bool:
+    """Whether the matrices are q matrices (q8g, q4g, mxfp4) of one format and shape: what
+    q_products multiplies."""
+    first = matrices[0]
+    return first.fmt in ("q8g", "q4g", "mxfp4") and all(m.fmt == first.fmt and m.shape == first.shape
+                                                          for m in matrices)
+
+
+def q_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: np.ndarray) -> np.ndarray:
+    """Y [M, N] with Y[m] = W_m X[rows[m]], for X [R, K] float32 and M q matrices W_m [N, K]
+    of one format and shape (one_q_format), in one kernel call (`_q_products`). Y[m] equals
+    W_m.matvec(X[rows[m]]) bit for bit."""
+    if not one_q_format(matrices):
+        raise WasteError("q_products multiplies q matrices (q8g, q4g, mxfp4) of one format and shape, got "
+                         + ", ".join(sorted({f"{m.fmt} {m.shape}" for m in matrices})))
+    first = matrices[0]
+    n, k = first.shape
+    X = np.ascontiguousarray(X, np.float32)
+    rows = np.ascontiguousarray(rows, np.int64)
+    if X.ndim != 2 or X.shape[1] != k or rows.shape != (len(matrices),) or rows.min() < 0 or rows.max() >= len(X):
+        raise WasteError(f"{first.fmt} matrices {first.shape}: inputs must be [R, {k}] with row ids in [0, R) "
+                         f"for each of {len(matrices)} matrices, got {X.shape} and {rows.shape}")
+    table = [m._qaddress for m in matrices]  # type: ignore[attr-defined]
+    addresses = np.array([t[:2] for t in table], np.int64)
+    tscales = np.array([t[2] for t in table], np.float32)
+    _, _, _, padded, like_qs, like_scales = first._qargs  # type: ignore[attr-defined]
+    Y = np.empty((len(matrices), 1, padded), np.float32)
+    _q_products(X, rows, addresses, tscales, like_qs, like_scales, Y)
+    return Y[:, 0, :n]
 
 
 def quantize(w: np.ndarray, fmt: str) -> QMatrix:
@@ -291,9 +328,9 @@ SERIAL_TOKENS = 4  # tokens quantised serially
 SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 
-# Numba's cache keys _rows on this file alone, though it inlines the blocks' generated code: a
-# change to int8_blocks' lowerings must change this file too, or cached kernels keep the old
-# code (the last such change: q4g's and mxfp4's AVX2 dots summing in int16).
+# Numba's cache keys _rows (and _q_products below) on this file alone, though they inline the
+# blocks' generated code: a change to int8_blocks' lowerings must change this file too, or cached
+# kernels keep the old code (the last such change: q4g's and mxfp4's AVX2 dots summing in int16).
 @kernel
 def _rows(qs, scales, xq, xsum, xs, Y, ts, b):
     """Row block b of Y for all tokens: tiles of TOKEN_TILE tokens, then one at a time."""
@@ -337,3 +374,53 @@ def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
                 _rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
             else:
                 _rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
+
+
+@intrinsic
+def _pointer(typingctx, address, like):
+    """The integer `address` as a pointer to `like`'s dtype (for numba.carray)."""
+    if not isinstance(address, types.Integer) or not isinstance(like, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return types.CPointer(like.dtype)(address, like), codegen
+
+
+@parallel_kernel
+def _q_products(X, rows, addresses, tscales, like_qs, like_scales, Y):
+    """Y[m, 0] = X[rows[m]] W_m^T for M matrices of one format and shape: the codes and scales of
+    W_m at addresses[m] (buffers as in _q_product, of the dtypes and block size of like_qs and
+    like_scales, which hold no rows), tscales [M], Y [M, 1, 16NB]. Each row of X is quantised
+    once, then the row blocks of all the matrices run in one parallel region.
+
+    One decode step of a MoE layer multiplies a handful of experts' small matrices: a parallel
+    region per product cost more than the product (on `mini` q8, 64 us per expert for 786 KB).
+    The callers keep the matrices alive during the call: the kernel reads them by address."""
+    R = X.shape[0]
+    M = addresses.shape[0]
+    G = like_qs.shape[1]
+    NB = Y.shape[2] // ROWS
+    xq = np.empty((R, G * GROUP), np.int8)
+    xsum = np.empty((R, G), np.int32)
+    xs = np.empty((R, G), np.float32)
+    for r in range(R):
+        _quantize_token(X, r, xq, xsum, xs)
+    if M * NB * G * like_qs.shape[2] <= SERIAL_BYTES:
+        for i in range(M * NB):
+            _matrix_rows(X, rows, addresses, tscales, like_qs, like_scales, Y, xq, xsum, xs, i // NB, i % NB)
+    else:
+        for i in prange(M * NB):
+            _matrix_rows(X, rows, addresses, tscales, like_qs, like_scales, Y, xq, xsum, xs, i // NB, i % NB)
+
+
+@kernel
+def _matrix_rows(X, rows, addresses, tscales, like_qs, like_scales, Y, xq, xsum, xs, m, b):
+    """Row block b of matrix m of _q_products."""
+    NB = Y.shape[2] // ROWS
+    G = like_qs.shape[1]
+    qs = numba.carray(_pointer(addresses[m, 0], like_qs), (NB, G, like_qs.shape[2]))
+    scales = numba.carray(_pointer(addresses[m, 1], like_scales), (NB, G, ROWS))
+    r = rows[m]
+    _rows(qs, scales, xq[r:r + 1], xsum[r:r + 1], xs[r:r + 1], Y[m], tscales[m], b)
