@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from waste import sigbus
 from waste.config import ModelConfig
 from waste.container import lease
 from waste.container.format import (
@@ -74,8 +75,9 @@ class Container:
         self.trunk_path = self.path / TRUNK
         self.experts_path = self.path / EXPERTS
         self._maps: list[mmap.mmap] = []
+        self._watched: list[int] = []  # sigbus slots of the maps: a fault in them is one line (sigbus.py)
         self._fds: dict[str, int] = {}  # trunk.bin and experts.bin, open as long as their maps
-        self.guarded: dict[str, bool] = {}  # file -> a lease guards it against truncation (lease.py)
+        self.guarded: dict[str, bool] = {}  # file -> a lease was taken on it at open (lease.py)
         self._closed = False
         self._trunk = self._experts = np.zeros(0, np.uint8)
         self.dir_fd = _open_dir(self.path)
@@ -159,7 +161,9 @@ class Container:
         except OSError as e:
             raise ContainerError(f"{path}: cannot map ({e.strerror})") from None
         self._maps.append(mm)
-        return np.frombuffer(mm, np.uint8)
+        mapped = np.frombuffer(mm, np.uint8)
+        self._watched.append(sigbus.watch(mapped, path))
+        return mapped
 
     def _check_trunk(self) -> None:
         for e in self._manifest.tensors.values():
@@ -291,8 +295,8 @@ class Container:
 
     def _check_size(self, name: str, needed: int) -> None:
         """Before a first touch: a file truncated since it was mapped would kill the process with
-        SIGBUS ("Bus error") at the touch; say so in one line instead (unguarded files only)."""
-        if self.guarded.get(name):
+        SIGBUS at the touch; say so in one line instead (files no lease guards, or no longer)."""
+        if lease.held(self._fds[name]):
             return
         actual = os.fstat(self._fds[name]).st_size
         if actual < needed:
@@ -345,6 +349,9 @@ class Container:
         """Release the memory maps (views still alive keep theirs until they are dropped)."""
         self._closed = True
         self._trunk = self._experts = np.zeros(0, np.uint8)
+        for slot in self._watched:
+            sigbus.unwatch(slot)  # before the unmapping: the addresses may be reused
+        self._watched.clear()
         for mm in self._maps:
             try:
                 mm.close()
