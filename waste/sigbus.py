@@ -7,7 +7,8 @@ holds no GIL, on whichever thread touched it (Numba's workers included). No Pyth
 run then: a Python signal handler only sets a flag, and returning from a synchronous SIGBUS
 repeats the faulting load forever. So the handler is native code that only calls
 async-signal-safe functions. If the faulting address lies in a mapped container file, it
-`write(2)`s one prepared line naming that file to stderr and `_exit(2)`s. Any other SIGBUS
+`write(2)`s one prepared line naming that file to stderr and `_exit(2)`s; threads that fault
+at the same time wait in `pause()` for that exit, so the line comes once. Any other SIGBUS
 (and one sent with kill) goes to the handler that was there before, as faulthandler does: it
 restores that disposition and raises the signal again.
 
@@ -66,6 +67,7 @@ class _Sigaction(ctypes.Structure):
 _ranges = (ctypes.c_uint64 * (3 * SLOTS))()
 _messages = ctypes.create_string_buffer(SLOTS * MESSAGE_BYTES)
 _previous = _Sigaction()  # the disposition found at install, restored for a SIGBUS that is not ours
+_reporting = ctypes.c_int(0)  # set by the first faulting thread: the others wait for its _exit(2)
 _lock = threading.Lock()
 _handler_address = 0
 _engine: object = None  # llvmlite's execution engine owns the handler's code: kept for the process
@@ -77,6 +79,7 @@ declare i64 @write(i32, ptr, i64)
 declare void @_exit(i32) noreturn
 declare i32 @sigaction(i32, ptr, ptr)
 declare i32 @raise(i32)
+declare i32 @pause()
 
 define void @waste_on_sigbus(i32 %sig, ptr %info, ptr %context) {{
 entry:
@@ -104,6 +107,13 @@ miss:
   %more = icmp ult i64 %next, {slots}
   br i1 %more, label %loop, label %foreign
 report:
+  %before = atomicrmw xchg ptr inttoptr (i64 {reporting} to ptr), i32 1 seq_cst
+  %first = icmp eq i32 %before, 0
+  br i1 %first, label %say, label %wait
+wait:
+  %woken = call i32 @pause()
+  br label %wait
+say:
   %length_at = getelementptr i64, ptr %start_at, i64 2
   %length = load volatile i64, ptr %length_at
   %offset = mul i64 %i, {message_bytes}
@@ -134,7 +144,8 @@ def _compile() -> int:
         llvm.initialize_native_asmprinter()
         module = llvm.parse_assembly(_IR.format(
             ranges=ctypes.addressof(_ranges), messages=ctypes.addressof(_messages),
-            previous=ctypes.addressof(_previous), slots=SLOTS, message_bytes=MESSAGE_BYTES))
+            previous=ctypes.addressof(_previous), reporting=ctypes.addressof(_reporting), slots=SLOTS,
+            message_bytes=MESSAGE_BYTES))
         module.verify()
         machine = llvm.Target.from_default_triple().create_target_machine()
         engine = llvm.create_mcjit_compiler(module, machine)

@@ -100,6 +100,42 @@ def test_library_run_off_the_main_thread_truncated(container: Path, tmp_path: Pa
         "error); check it with 'waste verify'")
 
 
+MANY_THREADS = """
+import mmap, os, sys
+import numpy as np
+from pathlib import Path
+from waste import sigbus
+from waste.jit import parallel_kernel, prange
+
+@parallel_kernel
+def total(a):
+    s = 0
+    for i in prange(a.size):
+        s += a[i]
+    return s
+
+path = Path(sys.argv[1])
+path.write_bytes(bytes(1 << 22))
+fd = os.open(path, os.O_RDONLY)
+view = np.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ), np.uint8)
+sigbus.watch(view, path)
+assert sigbus.install()
+total(view[:64])  # compiled before the cut
+os.truncate(path, 4096)
+print(total(view))  # each Numba worker faults in its share
+"""
+
+
+def test_faults_on_several_threads_give_one_line(tmp_path: Path) -> None:
+    """Numba's workers fault (on 2 cores the first one's exit has always come before another's
+    write here, so this cannot show that only one of two simultaneous faults writes)."""
+    script = tmp_path / "threads.py"
+    script.write_text(MANY_THREADS)
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path / "data.bin")], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env={**os.environ, "NUMBA_NUM_THREADS": "4"})
+    assert PROBLEM in _one_line(child, tmp_path / "data.bin")
+
+
 FOREIGN_FAULT = """
 import mmap, os, sys
 import numpy as np
