@@ -33,6 +33,11 @@ def _exp_all(x, out):
         out[i] = fexp(x[i])
 
 
+@kernel
+def _strip(P, pk, a, ak, aq, pd, u, w, j0):
+    kd._strip_pass(P, pk, a, ak, aq, pd, u, w, j0)  # an intrinsic: callable only from compiled code
+
+
 
 def test_fexp_accuracy() -> None:
     x = np.concatenate([np.linspace(-87, 88, 20001), [0.0, -1e-8, -87.5, -200.0, -np.inf]]).astype(np.float32)
@@ -160,9 +165,9 @@ def _deferred_decode(q, k, v, g, beta, s0, fold_after=(), **kw):
     return np.stack(o), base
 
 
-@pytest.mark.parametrize(("Kd", "V"), [(6, 5), (7, 16), (13, 9)])
+@pytest.mark.parametrize(("Kd", "V"), [(6, 5), (7, 16), (13, 9), (5, kd.STRIP), (3, 2 * kd.STRIP + 6)])
 def test_deferred_decode_any_head_size(Kd: int, V: int) -> None:
-    """Head sizes that leave one to three rows after the groups of four."""
+    """Value sizes below one column strip, exactly one, and two with columns left over."""
     rng = np.random.default_rng(Kd * V)
     q, k, v, g, beta, s0 = kda_inputs(rng, 11, 3, Kd, V)
     o_ref, s_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
@@ -170,14 +175,50 @@ def test_deferred_decode_any_head_size(Kd: int, V: int) -> None:
     assert max_abs_diff(o, o_ref) <= ATOL and max_abs_diff(s, s_ref) <= ATOL
 
 
-@pytest.mark.parametrize("Kd", [32, 7])
-def test_folding_the_pending_update_early_changes_no_bits(Kd: int) -> None:
+@pytest.mark.parametrize(("Kd", "V"), [(32, 9), (7, 9), (6, kd.STRIP + 5)])
+def test_folding_the_pending_update_early_changes_no_bits(Kd: int, V: int) -> None:
     rng = np.random.default_rng(18)
-    q, k, v, g, beta, s0 = kda_inputs(rng, 12, 4, Kd, 9)
+    q, k, v, g, beta, s0 = kda_inputs(rng, 12, 4, Kd, V)
     o_late, s_late = _deferred_decode(q, k, v, g, beta, s0)
     o_early, s_early = _deferred_decode(q, k, v, g, beta, s0, fold_after=(0, 3, 4, 8))
     np.testing.assert_array_equal(o_early, o_late)
     np.testing.assert_array_equal(s_early, s_late)
+
+
+def test_strip_pass_rounds_as_the_scalar_columns_at_any_alignment() -> None:
+    """The vector strips give the bits of the scalar column loop (which rounds as apply_pending),
+    and neither the state's alignment nor a NaN-filled output changes them."""
+    rng = np.random.default_rng(19)
+    H, Kd, V = 3, 9, 2 * kd.STRIP + 3
+    q, k, v, g, beta, s0 = kda_inputs(rng, 1, H, Kd, V)
+    a = np.exp(g[0, 0]).astype(np.float32)
+    ak, aq = (a * rng.standard_normal(Kd)).astype(np.float32), (a * rng.standard_normal(Kd)).astype(np.float32)
+    pk, pd = rng.standard_normal(Kd).astype(np.float32), rng.standard_normal(V).astype(np.float32)
+    P_scalar, P_strips = s0[0].copy(), s0[0].copy()
+    u1, w1, u2, w2 = (np.full(V, np.nan, np.float32) for _ in range(4))
+    kd._deferred_columns(P_scalar, pk, a, ak, aq, pd, u1, w1, 0)
+    _strip(P_strips, pk, a, ak, aq, pd, u2, w2, 0)
+    _strip(P_strips, pk, a, ak, aq, pd, u2, w2, kd.STRIP)
+    kd._deferred_columns(P_strips, pk, a, ak, aq, pd, u2, w2, 2 * kd.STRIP)
+    for x, y in ((P_strips, P_scalar), (u2, u1), (w2, w1)):
+        np.testing.assert_array_equal(x, y)
+    aligned = kd.new_state(H, Kd, V)
+    assert aligned.ctypes.data % kd.STATE_ALIGN == 0 and not np.any(aligned)
+    outs = []
+    for offset in (0, 4, 16):  # bytes past a cache line
+        buf = np.empty(s0.nbytes + kd.STATE_ALIGN + offset, np.uint8)
+        start = -buf.ctypes.data % kd.STATE_ALIGN + offset
+        state = buf[start:start + s0.nbytes].view(np.float32).reshape(s0.shape)
+        state[...] = s0
+        pending = np.zeros((H, Kd), np.float32), np.zeros((H, V), np.float32)
+        o = np.full((H, V), np.nan, np.float32)
+        kd._deferred_decode_kernel(q[0], k[0], v[0], g[0], beta[0], Kd**-0.5, True, state, *pending, o)
+        outs.append((o, state.copy(), *pending))
+    for later in outs[1:]:
+        for x, y in zip(later, outs[0], strict=True):
+            np.testing.assert_array_equal(x, y)
+    o_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)[0][0]
+    assert max_abs_diff(outs[0][0], o_ref) <= ATOL
 
 
 def test_kernels_write_every_output() -> None:

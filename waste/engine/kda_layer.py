@@ -28,7 +28,7 @@ from waste.kernels.kda import (
     kda_gate_softplus,
 )
 from waste.kernels.kda_chunk import prefill_kda
-from waste.kernels.kda_decode import apply_pending, kda_decode_step_deferred
+from waste.kernels.kda_decode import apply_pending, kda_decode_step_deferred, new_state
 from waste.kernels.quant import QMatrix, matmul_pair
 from waste.kernels.short_conv import conv_taps, short_conv_silu, short_conv_silu_step
 
@@ -68,7 +68,7 @@ class KDAState:
 
     @classmethod
     def zeros(cls, H: int, K: int, conv_shape: tuple[int, int, int]) -> KDAState:
-        return cls(np.zeros((H, K, K), np.float32), np.zeros(conv_shape, np.float32),
+        return cls(new_state(H, K, K), np.zeros(conv_shape, np.float32),
                    np.zeros((H, K), np.float32), np.zeros((H, K), np.float32))
 
     @property
@@ -80,7 +80,9 @@ class KDAState:
         return self.base
 
     def copy(self) -> KDAState:
-        return KDAState(self.base.copy(), self.conv.copy(), self.pending_k.copy(), self.pending_d.copy(),
+        base = new_state(*self.base.shape)  # cache-line aligned, as the decode step wants
+        base[...] = self.base
+        return KDAState(base, self.conv.copy(), self.pending_k.copy(), self.pending_d.copy(),
                         self.has_pending)
 
     @property
