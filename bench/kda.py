@@ -7,6 +7,11 @@ straightforward vectorised NumPy step (target >= 10x), all timed in the same run
 thread counts, 1 against 1 and all cores against all cores (bench/common.py `at_threads`):
 the copy is a Numba prange copy over heads on the same threads as the kernel, and the NumPy
 step runs with BLAS at that count (its elementwise parts are single-threaded NumPy at any count).
+Also timed: one in-place pass (each state row scaled where it lies, one read and one write of
+the same memory), the floor for a step that updates the state in place. A copy writes to other
+memory, whose lines are read before they are written, so it moves more bytes than an in-place
+pass: a step can beat the copy. States are allocated as the engine allocates them
+(`kda_decode.new_state`, cache-line aligned).
 Prefill (T = 4096, H = 32): tokens/s of
 `recurrent_kda` (head-major) and `chunk_kda`, plus a sweep over T that shows where (if anywhere)
 the chunked form wins; `waste.kernels.kda_chunk.CHUNK_PREFILL_MIN_TOKENS` encodes that crossover.
@@ -88,6 +93,16 @@ def numpy_step(q, k, v, g, beta, S, scale):
 
 
 @parallel_kernel
+def _scale_rows(state, factor):
+    """state[h, i] *= factor[h, i] in place, heads in parallel: one read and one write of the state."""
+    for h in prange(state.shape[0]):
+        for i in range(state.shape[1]):
+            f = factor[h, i]
+            for j in range(state.shape[2]):
+                state[h, i, j] = f * state[h, i, j]
+
+
+@parallel_kernel
 def _copy_state(src, dst):
     """dst = src for a state [H, K, V], heads in parallel: the copy baseline at the kernel's thread count."""
     for h in prange(src.shape[0]):
@@ -101,9 +116,13 @@ def bench_decode(rng: np.random.Generator, rounds: int) -> list[dict[str, Any]]:
     engine runs, with the copy and the NumPy step at the same thread count."""
     rows = []
     for H in DECODE_HEADS:
-        q, k, v, g, beta, S = inputs(rng, 1, H)
+        q, k, v, g, beta, S0 = inputs(rng, 1, H)
         x = (q[0], k[0], v[0], g[0], beta[0])  # one token
-        S_np, S_def, dst = S.copy(), S.copy(), np.empty_like(S)
+        S, S_def, S_scaled, dst = (kd.new_state(H, HEAD_DIM, HEAD_DIM) for _ in range(4))
+        for state in (S, S_def, S_scaled):
+            state[...] = S0
+        S_np = S0.copy()
+        factor = np.exp(g[0])  # decays <= 1: repeated scaling never overflows
         pk, pd = np.zeros((H, HEAD_DIM), np.float32), np.zeros((H, HEAD_DIM), np.float32)
         kernels = {
             "two_pass": lambda x=x, S=S: kd.kda_decode_step(*x, S),
@@ -111,6 +130,7 @@ def bench_decode(rng: np.random.Generator, rounds: int) -> list[dict[str, Any]]:
         }
         fns = {
             "copy": lambda S=S, dst=dst: _copy_state(S, dst),
+            "in_place": lambda S=S_scaled, f=factor: _scale_rows(S, f),
             **kernels,
             "numpy": lambda x=x, S=S_np: numpy_step(*x, S, HEAD_DIM**-0.5),
         }
@@ -120,7 +140,8 @@ def bench_decode(rng: np.random.Generator, rounds: int) -> list[dict[str, Any]]:
             for name in kernels:
                 rows.append({
                     "H": H, "kernel": name, "state_bytes": S.nbytes, "threads": threads,
-                    "copy_us": best["copy"] * 1e6, "kernel_us": best[name] * 1e6, "numpy_us": best["numpy"] * 1e6,
+                    "copy_us": best["copy"] * 1e6, "in_place_us": best["in_place"] * 1e6,
+                    "kernel_us": best[name] * 1e6, "numpy_us": best["numpy"] * 1e6,
                     "ratio_to_copy": best[name] / best["copy"], "speedup_vs_numpy": best["numpy"] / best[name],
                     "meets_copy_target": best[name] / best["copy"] <= DECODE_COPY_TARGET,
                     "meets_numpy_target": best["numpy"] / best[name] >= DECODE_NUMPY_TARGET,
@@ -205,12 +226,18 @@ def main() -> None:
 
     decode = bench_decode(rng, rounds)
     print(format_table(
-        ["decode", "kernel", "threads", "state KiB", "copy us", "kernel us", "x copy", "numpy us", "x numpy"],
-        [[f"H={r['H']}", r["kernel"], r["threads"], r["state_bytes"] // 1024, r["copy_us"], r["kernel_us"],
-          r["ratio_to_copy"], r["numpy_us"], r["speedup_vs_numpy"]] for r in decode],
+        ["decode", "kernel", "threads", "state KiB", "copy us", "in-place us", "kernel us", "x copy", "numpy us",
+         "x numpy"],
+        [[f"H={r['H']}", r["kernel"], r["threads"], r["state_bytes"] // 1024, r["copy_us"], r["in_place_us"],
+          r["kernel_us"], r["ratio_to_copy"], r["numpy_us"], r["speedup_vs_numpy"]] for r in decode],
         floats=".1f"))
-    print("baselines at the kernel's thread count: 'copy' a Numba prange copy of the state, "
-          "'numpy' the vectorised NumPy step (BLAS at that count)")
+    print("baselines at the kernel's thread count: 'copy' a Numba prange copy of the state, 'in-place' one "
+          "pass scaling each state row where it lies, 'numpy' the vectorised NumPy step (BLAS at that count)")
+    for r in decode:
+        if r["kernel"] == "deferred":
+            print(f"H={r['H']}, {r['threads']} thread(s): {DECODE_NUMPY_TARGET:.0f}x the NumPy step needs "
+                  f"<= {r['numpy_us'] / DECODE_NUMPY_TARGET:.1f} us; one copy {r['copy_us']:.1f} us, "
+                  f"one in-place pass {r['in_place_us']:.1f} us")
     print(f"targets: <= {DECODE_COPY_TARGET}x one state copy, >= {DECODE_NUMPY_TARGET}x the NumPy step; "
           "the engine decodes with the deferred step\n")
 
