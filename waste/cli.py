@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative error allowed (default: 1e-5 for f32, else from the modelled rounding error)")
     s.add_argument("--source", metavar="CHECKPOINT_DIR", default=None,
                    help="the oracle reads this checkpoint (the one the container was converted from) instead of "
-                        "the container's weights, so the weight format's own error counts too")
+                        "the container's weights, so the weight format's own error counts too, and holds every stored "
+                        "matrix to its format's error estimate")
     s.add_argument("--no-verify", action="store_true", help="skip the CRC checks of trunk and expert data")
 
     s = command("demo", help="the whole pipeline on the tiny preset")
