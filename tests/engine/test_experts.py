@@ -194,6 +194,28 @@ def test_experts_stay_valid_after_eviction(tmp_path):
         _assert_weights(c, 1, [0, 1, 2], first)
 
 
+def test_evicted_buffers_are_reused_only_when_unreferenced(tmp_path):
+    """A read takes an evicted entry's buffer when nothing refers to it any more, never while an
+    expert handed out earlier still points into it (its weights must not change under it)."""
+    c = ExpertBlobContainer(tmp_path, seed=8)
+    with StreamingExpertStore(c, PAGE, "lru", read_threads=1) as store:
+        store.get(3, [0])
+        store.get(3, [1])  # evicts (3, 0), whose experts nobody holds
+        store.get(3, [2])  # reads into (3, 0)'s buffer
+        assert store._spare.reused == 1
+        held = store.get(3, [3])
+        store.get(3, [4])  # evicts (3, 3) while `held` points into its buffer
+        store.get(3, [5])  # must not read into it: evicted (3, 2)'s spare buffer serves instead
+        store.get(3, [6])
+        _assert_weights(c, 3, [3], held)
+        reused = store._spare.reused
+        del held
+        for e in (7, 0, 1, 2, 3):  # each evicts the one before
+            got = store.get(3, [e])
+            _assert_weights(c, 3, [e], got)
+        assert store._spare.reused == reused + 5
+
+
 def test_hand_worked_lru_and_lfu(tmp_path):
     c = ExpertBlobContainer(tmp_path, seed=7)
     # A A B C A at 2 entries (A, B, C = experts 0, 1, 2 of layer 1):

@@ -19,7 +19,8 @@ one has been handed out, so the cache ends in the state `get` leaves.
 
 The cache charges each entry its blob's size in experts.bin (padding included), which is
 the size of the buffer the decoded views live in; the charge never exceeds the budget.
-Experts handed out stay valid after eviction: they hold their own buffer.
+Experts handed out stay valid after eviction: they hold their own buffer. An evicted entry's
+buffer is read into again (`_SpareBuffers`) only once nothing refers to it any more.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import errno
 import heapq
 import mmap
 import os
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
 from typing import Any
@@ -235,11 +237,13 @@ class _Entry:
 
 
 class _ExpertCache:
-    """Entries keyed by (layer, expert) within a byte budget; LRU or LFU (ties to LRU)."""
+    """Entries keyed by (layer, expert) within a byte budget; LRU or LFU (ties to LRU).
+    `on_evict(buf)` receives each evicted entry's buffer."""
 
-    def __init__(self, budget_bytes: int, policy: str):
+    def __init__(self, budget_bytes: int, policy: str, on_evict: Callable[[np.ndarray], None] | None = None):
         self.budget = budget_bytes
         self.policy = policy
+        self.on_evict = on_evict
         self.entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()  # least recent first
         self.held = 0
         self._tick = 0
@@ -287,6 +291,8 @@ class _ExpertCache:
                     break
             entry = self.entries.pop(key)
         self.held -= int(entry.buf.nbytes)
+        if self.on_evict is not None:
+            self.on_evict(entry.buf)
 
     def clear(self) -> None:
         self.entries.clear()
@@ -322,7 +328,8 @@ class StreamingExpertStore(ExpertStore):
         self.io_note = ""
         self._path = container.experts_path
         self._verify = bool(container.verify_data)
-        self._cache = _ExpertCache(self.budget_bytes, policy)
+        self._spare = _SpareBuffers(SPARE_BUFFERS)
+        self._cache = _ExpertCache(self.budget_bytes, policy, self._spare.give)
         self._lock = threading.Lock()
         self._retired_fds: list[int] = []
         self._fd: int | None = self._open(direct_io)
@@ -443,7 +450,7 @@ class StreamingExpertStore(ExpertStore):
         return buf
 
     def _read(self, offset: int, nbytes: int) -> np.ndarray:
-        buf = _aligned_buffer(nbytes)
+        buf = self._spare.take(nbytes)
         while True:
             fd, direct = self._fd, self.io_mode == "direct"
             if fd is None:
@@ -488,6 +495,54 @@ def open_expert_store(
 # this 2-core VM a fresh 4 MB blob buffer cost 8 ms of page faults, 2.8 ms populated (a 4 MB
 # read takes about 4 ms), CPU time the reader threads take from the kernels.
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+# Spare read buffers kept for reuse: a decode step misses a few experts per layer, and evicts as
+# many. At most this many wait, fewer than the routed experts of one layer that the memory plan
+# counts as working memory (`waste.engine.memory`), so they fit in the plan.
+SPARE_BUFFERS = 16
+
+
+class _SpareBuffers:
+    """Evicted read buffers, reused for reads of the same size once unreferenced.
+
+    A fresh 4 MB buffer costs 2.8 ms of CPU to fault in even populated (see _POPULATE), most of
+    what its read takes, and the reader threads take that CPU from the kernels. A buffer is reused
+    only when nothing but this pool refers to its memory: every array over it (the cache entry's,
+    the expert views handed out, their views) holds a reference to the map through the array
+    `frombuffer` made, so the map's reference count tells. Buffers still referenced wait; past
+    `limit` the oldest is dropped (freed when its last user lets go).
+    """
+
+    # References to a free map while `take` looks at it: the deque's, the loop variable's and
+    # sys.getrefcount's own argument.
+    FREE_REFS = 3
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.reused = 0
+        self._maps: deque[mmap.mmap] = deque()
+        self._lock = threading.Lock()
+
+    def give(self, buf: np.ndarray) -> None:
+        base = buf.base
+        if not isinstance(base, memoryview) or not isinstance(base.obj, mmap.mmap):
+            return
+        with self._lock:
+            self._maps.append(base.obj)
+            if len(self._maps) > self.limit:
+                self._maps.popleft()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A page-aligned [nbytes] uint8 buffer: a spare one nobody refers to, else a new one."""
+        with self._lock:
+            for i in range(len(self._maps)):
+                m = self._maps[i]
+                if len(m) == nbytes and sys.getrefcount(m) <= self.FREE_REFS:
+                    del self._maps[i]
+                    self.reused += 1
+                    return np.frombuffer(m, dtype=np.uint8)
+        return _aligned_buffer(nbytes)
 
 
 def _aligned_buffer(nbytes: int) -> np.ndarray:
