@@ -82,9 +82,10 @@ def _x86(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: ir.Value) -> ir.
 
 
 def _halves(builder: ir.IRBuilder, v: ir.Value) -> list[ir.Value]:
-    """The two 32-lane halves of a 64-lane vector."""
+    """The two halves of a vector (a 64-byte chunk's two 32-byte halves: two AVX2 registers)."""
+    n = v.type.count // 2
     return [builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
-                                   ir.Constant(ir.VectorType(_I32, 32), list(range(h, h + 32)))) for h in (0, 32)]
+                                   ir.Constant(ir.VectorType(_I32, n), list(range(h, h + n)))) for h in (0, n)]
 
 
 def _join(builder: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
@@ -179,17 +180,23 @@ _FORMAT_OF_DTYPES = {(types.int8, types.uint16): "q8g", (types.uint8, types.uint
                      (types.uint8, types.uint8): "mxfp4"}
 
 
-def _e8m0_to_f32(builder: ir.IRBuilder, s8: ir.Value) -> ir.Value:
+def _e8m0_to_f32(builder: ir.IRBuilder, s8: ir.Value, isa: str) -> ir.Value:
     """E8M0 bytes <16 x i8> -> 2^(s - 127) <16 x float>: the byte is the float32 exponent field,
     except 0 (2^-127, a subnormal) and 255 (NaN). Two operations per 8 rows fix those: byte 0
     is the only one that places below 2^-127's bits (an unsigned max), and byte 255 the only
-    one whose bits plus 2^23 carry into the sign (a select on the sign: vblendvps)."""
+    one whose bits plus 2^23 carry into the sign (a select on the sign: vblendvps; LLVM would
+    turn a plain select back into a byte compare and sign extensions)."""
     bits = builder.shl(builder.zext(s8, _VI), ir.Constant(_VI, [23] * ROWS))
     bits = _x86(builder, "llvm.umax.v16i32", _VI, bits, ir.Constant(_VI, [1 << 22] * ROWS))
     carried = builder.add(bits, ir.Constant(_VI, [1 << 23] * ROWS))
+    nan = ir.Constant(_VI, [0x7FC00000] * ROWS)
+    if isa == "avx2":
+        f8 = ir.VectorType(_F32, 8)
+        picked = [_x86(builder, "llvm.x86.avx.blendv.ps.256", f8, *(builder.bitcast(v, f8) for v in args))
+                  for args in zip(*(_halves(builder, v) for v in (bits, nan, carried)), strict=True)]
+        return _join(builder, *picked)
     is_nan = builder.icmp_signed("<", carried, ir.Constant(_VI, None))
-    bits = builder.select(is_nan, ir.Constant(_VI, [0x7FC00000] * ROWS), bits)
-    return builder.bitcast(bits, _VF)
+    return builder.bitcast(builder.select(is_nan, nan, bits), _VF)
 
 
 def _make_block(tokens: int, isa: str):
@@ -281,7 +288,7 @@ def _make_block(tokens: int, isa: str):
                         iacc[t] = _widen_pairs(builder, iacc[t], pending[t])
                 if fmt == "mxfp4":
                     scale = _e8m0_to_f32(builder, builder.load(at(sc_, builder.mul(bg, c(ROWS)),
-                                                                  ir.VectorType(_I8, ROWS)), align=1))
+                                                                  ir.VectorType(_I8, ROWS)), align=1), isa)
                 else:
                     half = ir.VectorType(ir.HalfType(), ROWS)
                     s16 = builder.load(at(sc_, builder.mul(bg, c(ROWS)), ir.VectorType(_I16, ROWS)), align=2)
