@@ -39,6 +39,7 @@ from waste.kernels.moe import (
     gated_experts_one_token,
     route,
     router_logits,
+    run_together,
     situ_mlp,
     swiglu,
 )
@@ -171,21 +172,21 @@ class MoELayer:
         return x
 
     def routed(self, x: np.ndarray, z: np.ndarray, store: ExpertSource,
-               then_add: Callable[[], np.ndarray] | None = None) -> tuple[np.ndarray, RoutingInfo]:
+               shared: Expert | None = None) -> tuple[np.ndarray, RoutingInfo]:
         """Route on x [T, hidden], run the chosen experts on z [T, in] (in = the experts' input
         width) -> (weighted sum of the expert outputs [T, in], RoutingInfo); each unique expert
-        fetched once. `then_add()` [T, in], if given, runs while the experts are read and is
-        added after their sum."""
+        fetched once. The `shared` experts, if given, run on z while the routed ones are read;
+        their output is added after the routed sum."""
         ids, weights = self.route(x)
         unique = np.unique(ids)
         arrivals, ready = _arrivals(store, self.layer_index, unique)
-        extra = then_add() if then_add is not None else None
         if z.shape[0] == 1:
-            y = self._one_token(z, ids, weights, unique, arrivals, ready)
+            y = self._one_token(z, ids, weights, unique, arrivals, ready, shared)
         else:
+            extra = self.mlp(z, *shared) if shared is not None else None
             y = self._chunk(z, ids, weights, unique, arrivals)
-        if extra is not None:
-            y += extra
+            if extra is not None:
+                y += extra
         return y, RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
 
     def _chunk(self, z: np.ndarray, ids: np.ndarray, weights: np.ndarray, unique: np.ndarray,
@@ -209,13 +210,15 @@ class MoELayer:
         return y
 
     def _one_token(self, z: np.ndarray, ids: np.ndarray, weights: np.ndarray, unique: np.ndarray,
-                   arrivals: Iterator[tuple[int, Expert]], ready: int) -> np.ndarray:
-        """The weighted sum of the routed experts for one token z [1, in] (decode): the `ready`
-        experts the store hands out at once in one batch (`gated_experts_one_token`), each later
-        one as it arrives, while the store reads the rest; then the outputs are added in id order,
-        the bits of the chunk path's sums."""
-        outs = np.empty((len(unique), z.shape[1]), np.float32)
-        computed = np.zeros(len(unique), bool)
+                   arrivals: Iterator[tuple[int, Expert]], ready: int, shared: Expert | None) -> np.ndarray:
+        """The routed experts' weighted sum plus the shared experts' output for one token z [1, in]
+        (decode). The `ready` experts the store hands out at once run in one batch
+        (`gated_experts_one_token`), with the shared experts when their formats and shapes allow,
+        then each later one as it arrives, while the store reads the rest; the outputs are added
+        in id order, the bits of the chunk path's sums."""
+        U = len(unique)
+        outs = np.empty((U + 1, z.shape[1]), np.float32)  # row U: the shared experts'
+        computed = np.zeros(U + 1, bool)
 
         def run(batch: list[tuple[int, Expert]]) -> None:
             together = gated_experts_one_token(z, [expert for _, expert in batch], self.situ_params)
@@ -224,25 +227,30 @@ class MoELayer:
                 computed[i] = True
 
         first = list(islice(arrivals, ready))
+        if shared is None:
+            computed[U] = True
+        elif first and run_together([*(expert for _, expert in first), shared]):
+            first.append((U, shared))
+        else:
+            run([(U, shared)])
         if first:
             run(first)
         for arrival in arrivals:
             run([arrival])
         if not computed.all():
-            raise WasteError(f"expert store returned {int(computed.sum())} experts for {len(unique)} requested ids")
+            raise WasteError(f"expert store returned {int(computed[:U].sum())} experts for {U} requested ids")
         rank = {e: r for r, e in enumerate(ids[0].tolist())}
         y = np.zeros_like(z)
-        add_weighted(y[0], outs, weights[0, [rank[e] for e in unique.tolist()]])
+        add_weighted(y[0], outs[:U], weights[0, [rank[e] for e in unique.tolist()]])
+        if shared is not None:
+            y += outs[U]
         return y
 
     def forward(self, x: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
         """x [T, hidden] -> (y [T, hidden], RoutingInfo): routed experts plus the shared ones
         (computed while the routed experts are read, added after them)."""
         x = self._check_input(x)
-        shared = self.shared
-        if shared is None:
-            return self.routed(x, x, store)
-        return self.routed(x, x, store, lambda: self.mlp(x, *shared))
+        return self.routed(x, x, store, self.shared)
 
 
 def _arrivals(store: ExpertSource, layer: int, unique: np.ndarray) -> tuple[Iterator[tuple[int, Expert]], int]:

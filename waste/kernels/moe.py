@@ -245,6 +245,12 @@ def add_weighted(y: np.ndarray, outs: np.ndarray, weights: np.ndarray) -> None:
     _add_weighted(np.ascontiguousarray(outs), np.ascontiguousarray(weights, np.float32), y)
 
 
+def run_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
+    """Whether gated_experts_one_token runs these experts together: their gate and up matrices
+    q matrices of one format and shape, and their down matrices too."""
+    return one_q_format([m for e in experts for m in e[:2]]) and one_q_format([e[2] for e in experts])
+
+
 def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
                             situ_params: tuple[float | None, float | None] | None) -> np.ndarray | None:
     """The gated MLPs of several experts on one token x [1, in] -> [E, out], row e equal bit for
@@ -258,9 +264,9 @@ def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMat
     are not q matrices of one format and shape per projection (the caller runs them one by one).
     """
     n = len(experts)
-    gates_ups, downs = [m for e in experts for m in e[:2]], [e[2] for e in experts]
-    if not (one_q_format(gates_ups) and one_q_format(downs)):
+    if not run_together(experts):
         return None
+    gates_ups, downs = [m for e in experts for m in e[:2]], [e[2] for e in experts]
     gate_up = q_products(x, gates_ups, np.zeros(2 * n, np.int64)).reshape(n, 2, -1)
     gate, up = np.ascontiguousarray(gate_up[:, 0]), np.ascontiguousarray(gate_up[:, 1])
     h = np.empty_like(gate)
