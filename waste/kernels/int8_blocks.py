@@ -7,7 +7,9 @@ for the host at import:
 - "vnni": vpdpbusd where the host has AVX-512 VNNI (and vpshufb on 512 bits);
 - "avx2": vpmaddubsw + vpmaddwd (and vpshufb on 256 bits). vpmaddubsw multiplies unsigned by
   signed bytes and sums pairs in int16 with saturation: exact for the small unsigned codes of
-  q4g and mxfp4 (SMALL_CODES). q8g's signed codes go in as |w| with w's sign moved onto the
+  q4g and mxfp4 (SMALL_CODES), whose pair sums are small enough that several results add in
+  int16 (vpaddw) before one vpmaddwd widens them (PAIR_SUMS_PER_INT16 states the bound).
+  q8g's signed codes go in as |w| with w's sign moved onto the
   activation (vpsignb); activation codes lie in [-127, 127], so a pair sums to at most
   2 x 128 x 127 = 32512 < 32767 in magnitude (|w| = 128 for a code -128 still fits), exact too;
 - "generic": widen, multiply, add lanes in fours (and a compare-select table lookup), which
