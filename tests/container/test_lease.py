@@ -78,3 +78,37 @@ def test_truncation_without_a_lease_is_caught_before_the_first_touch(container: 
 def test_cli_run_on_an_unchanged_container_is_unaffected(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(container), "--prompt-ids", "1,2,3", "--max-new", "2", "--expert-cache", "mmap"]) == 0
     assert "generated:" in capsys.readouterr().out
+
+
+# Stands for Numba compiling a kernel: code running under a module named numba.* (lease.py).
+FAKE_COMPILER = """
+import time
+
+def compile_until(done):
+    while not done():
+        time.sleep(0.001)
+"""
+
+
+def test_a_writer_arriving_while_a_kernel_compiles_stops_the_run_after_it(container: Path) -> None:
+    from waste.container import lease
+
+    compiler: dict[str, object] = {"__name__": "numba.core.fake_compiler"}
+    exec(FAKE_COMPILER, compiler)
+    c = open_container(container)
+    fd = c.data_fds()[0]
+    assert lease.held(fd)
+    cutter = subprocess.Popen([sys.executable, "-c", f"import os; os.truncate({str(container / 'trunk.bin')!r}, 0)"])
+    compiled = False
+    try:
+        with pytest.raises(ContainerChanged):
+            # SIGIO comes while the "compiler" runs: no error inside it, the file stays as it was.
+            compiler["compile_until"](lambda: lease._lease_broken(fd))  # type: ignore[operator]
+            assert lease.held(fd) and os.path.getsize(container / "trunk.bin") > 0
+            compiled = True
+            time.sleep(LET_GO_SECONDS)  # the handler asks again 10 ms later and raises here
+        assert compiled
+        assert cutter.wait(timeout=LET_GO_SECONDS) == 0
+    finally:
+        c.close()
+        cutter.wait(timeout=60)

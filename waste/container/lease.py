@@ -9,7 +9,9 @@ opens the file for writing, or truncates it, blocks in the kernel while this pro
 SIGIO. The handler runs in the main thread between two Python instructions: no kernel is
 running then (Numba's workers only run inside a call from it), so nothing has read the changed
 file yet. It lets the broken lease go, and the writer goes ahead at once, then raises
-`ContainerChanged` (a WasteError: one line, exit code 2), which stops the run.
+`ContainerChanged` (a WasteError: one line, exit code 2), which stops the run. Unless the main
+thread is inside Numba or llvmlite then (compiling or loading a kernel: an error raised in code
+they call back is lost): the handler asks again 10 ms later, holding the lease meanwhile.
 
 The lease was held until the container was closed before (2026-12-01): a writer waited until
 this process let go of the container, up to the kernel's lease-break-time (45 s by default),
@@ -47,6 +49,8 @@ from waste.container.format import ContainerError
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)  # Linux's values, for Pythons that lack the names
 _F_GETLEASE = getattr(fcntl, "F_GETLEASE", 1025)
 _guarded: dict[int, Path] = {}  # descriptor holding a lease -> the file's path
+_COMPILERS = ("numba", "llvmlite")
+_RETRY_SECONDS = 0.01
 
 
 class ContainerChanged(ContainerError):
@@ -60,8 +64,25 @@ def _lease_broken(fd: int) -> bool:
         return True
 
 
+def _inside_compiler(frame: FrameType | None) -> bool:
+    """True when `frame` runs inside Numba or llvmlite (compiling or loading a kernel): Python code
+    they call back from native code loses an error raised there (llvmlite then crashed with
+    SIGSEGV when it happened), and errors raised while typing come out wrapped in Numba's own."""
+    while frame is not None:
+        if str(frame.f_globals.get("__name__", "")).split(".")[0] in _COMPILERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_sigio(signum: int, frame: FrameType | None) -> None:
     broken = [(fd, path) for fd, path in list(_guarded.items()) if _lease_broken(fd)]
+    if broken and _inside_compiler(frame):
+        # Ask again shortly, from outside: the lease stays held (the file unchanged) until then.
+        retry = threading.Timer(_RETRY_SECONDS, signal.pthread_kill, (threading.main_thread().ident, signal.SIGIO))
+        retry.daemon = True
+        retry.start()
+        return
     for fd, _ in broken:
         release(fd)  # the writer goes ahead now, not when the container is closed: this run stops here
     if broken:
