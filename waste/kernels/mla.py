@@ -10,7 +10,8 @@ row, and its output is the probability-weighted sum of the cached latents (first
 mapped to the value space by W_UV[h] outside the kernel: D + R = 1088 multiply-adds per cached
 token and head at the Kimi shape, and the cache is never expanded. A Numba kernel: blocks of
 cached rows shared by all heads, scored four heads by two rows at a time (eight independent
-sums) and summed two heads by four rows at a time.
+sums, `_score_4x2`, the same microkernel as prefill's scores) and summed two heads by four rows
+at a time.
 
 Prefill (many queries) expands instead (`mla_prefill`): per head and per block of KEY_BLOCK
 cached tokens it forms the keys [W_UK c | k_rope] and values W_UV c once, then every query of
@@ -57,46 +58,53 @@ KEY_GROUP = 8
 QUERY_TILE = 4
 
 
+@kernel(inline="always")  # a call per tile (LLVM does not inline across Numba functions) costs 5-10%
+def _score_4x2(q0, q1, q2, q3, x, y, scale, out, r0, j):
+    """out[r0 + r, j] = scale * q_r . x and out[r0 + r, j + 1] = scale * q_r . y for the four rows
+    q_r: eight independent sums (enough to hide the FMA latency) from six loads per eight
+    multiply-adds. The scores of decode (heads by cached rows) and of prefill (queries by
+    expanded keys); the callers keep the four rows across their loop over pairs."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    b0 = np.float32(0.0)
+    b1 = np.float32(0.0)
+    b2 = np.float32(0.0)
+    b3 = np.float32(0.0)
+    for d in range(x.shape[0]):
+        xd = x[d]
+        yd = y[d]
+        a0 += q0[d] * xd
+        a1 += q1[d] * xd
+        a2 += q2[d] * xd
+        a3 += q3[d] * xd
+        b0 += q0[d] * yd
+        b1 += q1[d] * yd
+        b2 += q2[d] * yd
+        b3 += q3[d] * yd
+    out[r0, j] = a0 * scale
+    out[r0 + 1, j] = a1 * scale
+    out[r0 + 2, j] = a2 * scale
+    out[r0 + 3, j] = a3 * scale
+    out[r0, j + 1] = b0 * scale
+    out[r0 + 1, j + 1] = b1 * scale
+    out[r0 + 2, j + 1] = b2 * scale
+    out[r0 + 3, j + 1] = b3 * scale
+
+
 @parallel_kernel
 def _decode(q, latent, n, scale, kv_rank, nchunks, block, probs, out):
     H, D = q.shape
     # Token-major in blocks of `block` rows: a block stays in L1/L2 while all H queries are
     # scored against it, so the cache streams through memory once, not once per head.
-    # Four heads by two cached rows at a time: eight independent sums (enough to hide the FMA
-    # latency) from six loads per eight multiply-adds.
+    # Four heads by two cached rows at a time (_score_4x2).
     for b in prange((n + block - 1) // block):
         j0, j1 = b * block, min(b * block + block, n)
         for h in range(0, H - 3, 4):
             q0, q1, q2, q3 = q[h], q[h + 1], q[h + 2], q[h + 3]
             for j in range(j0, j1 - 1, 2):
-                la, lb = latent[j], latent[j + 1]
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                a3 = np.float32(0.0)
-                b0 = np.float32(0.0)
-                b1 = np.float32(0.0)
-                b2 = np.float32(0.0)
-                b3 = np.float32(0.0)
-                for d in range(D):
-                    x = la[d]
-                    y = lb[d]
-                    a0 += q0[d] * x
-                    a1 += q1[d] * x
-                    a2 += q2[d] * x
-                    a3 += q3[d] * x
-                    b0 += q0[d] * y
-                    b1 += q1[d] * y
-                    b2 += q2[d] * y
-                    b3 += q3[d] * y
-                probs[h, j] = a0 * scale
-                probs[h + 1, j] = a1 * scale
-                probs[h + 2, j] = a2 * scale
-                probs[h + 3, j] = a3 * scale
-                probs[h, j + 1] = b0 * scale
-                probs[h + 1, j + 1] = b1 * scale
-                probs[h + 2, j + 1] = b2 * scale
-                probs[h + 3, j + 1] = b3 * scale
+                _score_4x2(q0, q1, q2, q3, latent[j], latent[j + 1], scale, probs, h, j)
             if (j1 - j0) % 2:
                 j = j1 - 1
                 lj = latent[j]
@@ -298,43 +306,6 @@ def _expand_block(latent, jb, n, kv_rank, w_uk, w_uv, keys, values):
 
 
 @kernel
-def _score_tile(qs, t0, keys, nk, scale, scores):
-    """scores[i, j] = scale * qs[t0 + i] . keys[j] for the QUERY_TILE queries t0.. and the key
-    pairs covering j < nk: four queries by two keys at a time (eight independent sums)."""
-    QK = keys.shape[1]
-    q0, q1, q2, q3 = qs[t0], qs[t0 + 1], qs[t0 + 2], qs[t0 + 3]
-    for j in range(0, nk, 2):
-        ka, kb = keys[j], keys[j + 1]
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        b0 = np.float32(0.0)
-        b1 = np.float32(0.0)
-        b2 = np.float32(0.0)
-        b3 = np.float32(0.0)
-        for d in range(QK):
-            x = ka[d]
-            y = kb[d]
-            a0 += q0[d] * x
-            a1 += q1[d] * x
-            a2 += q2[d] * x
-            a3 += q3[d] * x
-            b0 += q0[d] * y
-            b1 += q1[d] * y
-            b2 += q2[d] * y
-            b3 += q3[d] * y
-        scores[0, j] = a0 * scale
-        scores[1, j] = a1 * scale
-        scores[2, j] = a2 * scale
-        scores[3, j] = a3 * scale
-        scores[0, j + 1] = b0 * scale
-        scores[1, j + 1] = b1 * scale
-        scores[2, j + 1] = b2 * scale
-        scores[3, j + 1] = b3 * scale
-
-
-@kernel
 def _softmax_step(s, nk, width, run, t, acc):
     """Online softmax of one query over its nk scores s[:nk] (nk may be <= 0: no keys here).
 
@@ -414,7 +385,9 @@ def _prefill(q, latent, start, scale, kv_rank, w_uk, w_uv, out):
                 # keys of this block seen by the tile's last query (the tile's earlier ones see fewer)
                 nk = min(KEY_BLOCK, start + min(t0 + QUERY_TILE, T) - jb)
                 width = (nk + KEY_GROUP - 1) // KEY_GROUP * KEY_GROUP
-                _score_tile(qs, t0, keys, nk, scale, scores)
+                q0, q1, q2, q3 = qs[t0], qs[t0 + 1], qs[t0 + 2], qs[t0 + 3]
+                for j in range(0, nk, 2):  # four queries by two keys
+                    _score_4x2(q0, q1, q2, q3, keys[j], keys[j + 1], scale, scores, 0, j)
                 for i in range(QUERY_TILE):
                     t = t0 + i
                     seen = min(KEY_BLOCK, start + min(t, T - 1) + 1 - jb)
