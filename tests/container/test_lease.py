@@ -49,10 +49,10 @@ def test_truncation_by_another_process_stops_the_run(container: Path, name: str)
         assert cutter.wait(timeout=LET_GO_SECONDS) == 0
         assert os.path.getsize(container / name) == 0
         if name == "experts.bin":  # unguarded from now on: the size check before a first touch is back
-            layer = c.config.moe_layers[-1]
-            untouched = next(e for e in range(c.config.num_experts) if not c._expert_checked[-1, e])
+            # An expert not touched yet (marked so: a slow run may have touched every one by now).
+            c._expert_checked[-1, 0] = False
             with pytest.raises(ContainerChanged, match="truncated to 0 bytes while in use"):
-                c.expert(layer, untouched)
+                c.expert(c.config.moe_layers[-1], 0)
     finally:
         del model, session
         c.close()
