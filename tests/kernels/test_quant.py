@@ -367,8 +367,8 @@ def test_q_products_equal_one_product_each(fmt: str, M: int, N: int, K: int) -> 
         np.testing.assert_array_equal(Y[m], w.matvec(X[rows[m]]))
     padded = ms[0]._qargs[3]
     Y_nan = np.full((M, 1, padded), np.nan, np.float32)
-    addresses = np.array([w._qaddress[:2] for w in ms], np.int64)
-    tscales = np.array([w._qaddress[2] for w in ms], np.float32)
+    addresses = np.array([w._qaddress for w in ms], np.int64)
+    tscales = np.array([w._qtscale for w in ms], np.float32)
     qk._q_products(X, rows.astype(np.int64), addresses, tscales, *ms[0]._qargs[4:], Y_nan)
     np.testing.assert_array_equal(Y_nan[:, 0, :N], Y)
     assert np.isfinite(Y_nan).all()
@@ -382,8 +382,10 @@ def test_q_products_refuse_mixed_matrices_and_bad_inputs() -> None:
     for mixed in ([a, b], [a, c], [quantize(np.ones((16, 32)), "f32")]):
         assert not qk.one_q_format(mixed)
         with pytest.raises(WasteError, match="one format and shape"):
-            qk.q_products(X, mixed, np.zeros(len(mixed)))
+            qk.q_products(X, mixed, [0] * len(mixed))
     with pytest.raises(WasteError, match="row ids"):
-        qk.q_products(X, [a, a], np.array([0, 1]))
+        qk.q_products(X, [a, a], [0, 1])
     with pytest.raises(WasteError, match="row ids"):
-        qk.q_products(np.ones((1, 31), np.float32), [a], np.array([0]))
+        qk.q_products(np.ones((1, 31), np.float32), [a], [0])
+    with pytest.raises(WasteError, match="row ids"):
+        qk.q_products(X, [a, a], [0, -1])

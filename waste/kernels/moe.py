@@ -270,9 +270,9 @@ def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMat
     if not run_together(experts):
         return None
     gates_ups, downs = [m for e in experts for m in e[:2]], [e[2] for e in experts]
-    gate_up = q_products(x, gates_ups, np.zeros(2 * n, np.int64)).reshape(n, 2, -1)
+    gate_up = q_products(x, gates_ups, [0] * (2 * n)).reshape(n, 2, -1)
     gate, up = np.ascontiguousarray(gate_up[:, 0]), np.ascontiguousarray(gate_up[:, 1])
     h = np.empty_like(gate)
     beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
     _activate_rows(gate, up, situ_params is not None, beta, linear_beta, h)
-    return q_products(h, downs, np.arange(n))
+    return q_products(h, downs, range(n))

@@ -81,8 +81,9 @@ class QMatrix:
             return
         # qs[:0], scales[:0]: the empty second matrix of a single product
         object.__setattr__(self, "_qargs", (qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
-        # Where the kernels' buffers live, for q_products' table of matrices
-        object.__setattr__(self, "_qaddress", (qs.ctypes.data, scales.ctypes.data, float(tscale[0])))
+        # Where the kernels' buffers live and the tensor scale, for q_products' table of matrices
+        object.__setattr__(self, "_qaddress", (qs.ctypes.data, scales.ctypes.data))
+        object.__setattr__(self, "_qtscale", float(tscale[0]))
 
     @property
     def nbytes(self) -> int:
@@ -183,26 +184,26 @@ def one_q_format(matrices: Sequence[QMatrix]) -> bool:
                                                           for m in matrices)
 
 
-def q_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: np.ndarray) -> np.ndarray:
+def q_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: Sequence[int]) -> np.ndarray:
     """Y [M, N] with Y[m] = W_m X[rows[m]], for X [R, K] float32 and M q matrices W_m [N, K]
     of one format and shape (one_q_format), in one kernel call (`_q_products`). Y[m] equals
-    W_m.matvec(X[rows[m]]) bit for bit."""
+    W_m.matvec(X[rows[m]]) bit for bit. (Python here costs about as much as the kernel call on
+    small matrices, hence plain lists.)"""
     if not one_q_format(matrices):
         raise WasteError("q_products multiplies q matrices (q8g, q4g, mxfp4) of one format and shape, got "
                          + ", ".join(sorted({f"{m.fmt} {m.shape}" for m in matrices})))
     first = matrices[0]
     n, k = first.shape
     X = np.ascontiguousarray(X, np.float32)
-    rows = np.ascontiguousarray(rows, np.int64)
-    if X.ndim != 2 or X.shape[1] != k or rows.shape != (len(matrices),) or rows.min() < 0 or rows.max() >= len(X):
+    rows = [int(r) for r in rows]
+    if X.ndim != 2 or X.shape[1] != k or len(rows) != len(matrices) or min(rows) < 0 or max(rows) >= len(X):
         raise WasteError(f"{first.fmt} matrices {first.shape}: inputs must be [R, {k}] with row ids in [0, R) "
-                         f"for each of {len(matrices)} matrices, got {X.shape} and {rows.shape}")
-    table = [m._qaddress for m in matrices]  # type: ignore[attr-defined]
-    addresses = np.array([t[:2] for t in table], np.int64)
-    tscales = np.array([t[2] for t in table], np.float32)
+                         f"for each of {len(matrices)} matrices, got {X.shape} and {len(rows)} row ids")
+    addresses = np.array([a for m in matrices for a in m._qaddress], np.int64).reshape(-1, 2)  # type: ignore[attr-defined]
+    tscales = np.array([m._qtscale for m in matrices], np.float32)  # type: ignore[attr-defined]
     _, _, _, padded, like_qs, like_scales = first._qargs  # type: ignore[attr-defined]
     Y = np.empty((len(matrices), 1, padded), np.float32)
-    _q_products(X, rows, addresses, tscales, like_qs, like_scales, Y)
+    _q_products(X, np.array(rows, np.int64), addresses, tscales, like_qs, like_scales, Y)
     return Y[:, 0, :n]
 
 
