@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from waste.analysis.machine import READ_THREADS
 from waste.container.format import EXPERTS
 from waste.errors import WasteError
 from waste.kernels.quant import QMatrix
@@ -312,7 +313,7 @@ class StreamingExpertStore(ExpertStore):
         container: Any,
         budget_bytes: int,
         policy: str = "lru",
-        read_threads: int = 4,
+        read_threads: int = READ_THREADS,
         direct_io: bool = False,
     ):
         super().__init__(container)
@@ -482,7 +483,7 @@ def open_expert_store(
     container: Any,
     budget_bytes: int | None,
     policy: str = "lru",
-    read_threads: int = 4,
+    read_threads: int = READ_THREADS,
     direct_io: bool = False,
 ) -> ExpertStore:
     """The store `waste run` uses: budget None maps the container, otherwise stream."""
