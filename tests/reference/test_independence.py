@@ -20,6 +20,8 @@ FORBIDDEN = ("waste.kernels", "waste.engine")
 def _module_path(module: str) -> Path | None:
     """The source file of a waste module (a package's __init__.py), or None if there is none."""
     rel = Path(*module.split(".")[1:])
+    if not rel.parts:  # the package itself
+        return PACKAGE / "__init__.py"
     for candidate in (PACKAGE / rel.with_suffix(".py"), PACKAGE / rel / "__init__.py"):
         if candidate.is_file():
             return candidate
