@@ -69,14 +69,13 @@ def mini_container(quant: str, cache_dir: Path = CACHE_DIR, *, preset: str = "mi
 
 
 def sequential_read(path: Path, *, direct: bool = False, block: int = 8 << 20,
-                    limit: int | None = None, streams: int = 1) -> dict[str, Any]:
-    """Read `path` start to end (or its first `limit` bytes) in `block`-byte reads, `streams` of
-    them in flight, after dropping it from the page cache; with O_DIRECT when `direct` (into
-    page-aligned buffers). The baseline for the expert store's reads
-    (`waste.analysis.machine.measure_disk`, which `waste plan` measures the disk with, at the
-    store's READ_THREADS reads in flight): {bytes, seconds, gbps, io_mode, streams, cache_dropped}."""
+                    limit: int | None = None) -> dict[str, Any]:
+    """Read `path` start to end (or its first `limit` bytes) in `block`-byte reads, after
+    dropping it from the page cache; with O_DIRECT when `direct` (into a page-aligned buffer).
+    The baseline for the expert store's reads (`waste.analysis.machine.measure_disk`, the read
+    `waste plan` measures the disk with): {bytes, seconds, gbps, io_mode, cache_dropped}."""
     dropped = drop_page_cache(path)
-    return {**measure_disk(path, limit, direct=direct, block=block, streams=streams), "cache_dropped": dropped}
+    return {**measure_disk(path, limit, direct=direct, block=block), "cache_dropped": dropped}
 
 
 def drop_page_cache(path: Path, *, whole_machine: bool = False) -> str:

@@ -20,9 +20,8 @@ decode steps; steady-state decode speed is over the steps after the first `--war
 cache is warm). Reported: tokens/s, peak RSS against the planner's figure, cache budget, hit
 rate and expert GB read per decoded token, next to the planner's decode bound at the hit
 rate measured and what `waste plan` predicts (`predict_run`, the same code: uniform routing,
-at the RAM and runtime the run planned with), with the NVMe bandwidth (an O_DIRECT read of
-experts.bin in order with as many reads in flight as the store's reader threads, as `waste plan`
-measures it) and RAM bandwidth (a copy) measured in the same run.
+at the RAM and runtime the run planned with), with the NVMe bandwidth (a sequential O_DIRECT
+read of experts.bin) and RAM bandwidth (a copy) measured in the same run.
 Other engineers may share the cores: the load average is recorded before and after.
 
     python bench/scale.py [--dir D] [--preset kimi-linear-48b-a3b] [--prompt-len 512] [--new 64]
@@ -147,8 +146,7 @@ def predictions(path: Path, result: dict[str, Any], nvme_gbps: float, mem_gbps: 
     the run measured and planned with), and the bound at the hit rate the run reached."""
     mp = result["memory_plan"]
     plan = make_plan(str(path), context=result["context"])
-    rates = Bandwidths(Bandwidth(nvme_gbps, "measured in this run: O_DIRECT read of experts.bin with "
-                                            "the store's reads in flight"),
+    rates = Bandwidths(Bandwidth(nvme_gbps, "measured in this run: sequential O_DIRECT read of experts.bin"),
                        Bandwidth(mem_gbps, "measured in this run: a copy"))
     predicted = predict_run(plan, mp["available"], rates, runtime=mp["runtime"], decode_tokens=result["decode_tokens"])
     out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"], "waste_plan": predicted.as_dict()}
@@ -194,12 +192,11 @@ def main() -> int:
     args.container_path = path
     with open_container(path) as c:
         counts = c.byte_counts()
-        seq = common.sequential_read(c.experts_path, direct=True, limit=4 << 30, streams=args.read_threads)
+        seq = common.sequential_read(c.experts_path, direct=True, limit=4 << 30)
     mem = copy_bandwidth(threads=numba.config.NUMBA_NUM_THREADS)
     print(f"{path}: trunk {counts['trunk_bytes'] / 1e9:.2f} GB, experts {counts['expert_bytes'] / 1e9:.2f} GB"
           f"{'' if synth_s is None else f', synthesised in {synth_s:.0f} s'}; experts.bin read "
-          f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}, {seq['streams']} reads in flight), "
-          f"RAM copy {mem['gbps']:.1f} GB/s")
+          f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}), RAM copy {mem['gbps']:.1f} GB/s")
     results = []
     for store in args.stores:
         r = child_run(args, store)

@@ -17,7 +17,6 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from waste import sigbus
-from waste.analysis.machine import READ_THREADS
 from waste.env import blas_threads
 from waste.errors import CheckFailed, WasteError
 from waste.qformat import EXPERT_CHOICES, SCHEMES
@@ -167,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "map; default: the memory map when every expert fits in the available RAM, else streaming "
                         "with the room the planner leaves")
     s.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
-    s.add_argument("--read-threads", type=_int(1, 256), default=READ_THREADS)
+    s.add_argument("--read-threads", type=_int(1, 256), default=4)
     s.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT where possible")
     s.add_argument("--trace-out", help="write the routing trace to this .npz")
     s.add_argument("--session-in", help="resume from this session file")

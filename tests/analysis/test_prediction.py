@@ -15,7 +15,6 @@ from waste.analysis.cache_sim import simulate
 from waste.analysis.machine import Bandwidth, Bandwidths, bandwidths
 from waste.cli import main
 from waste.engine.trace import load
-from waste.errors import WasteError
 from waste.plan import make_plan
 from waste.testing import tiny_container
 
@@ -104,38 +103,6 @@ def test_bandwidths_measured_once_then_cached(q4: Path, tmp_path: Path, monkeypa
     assert again.disk.source.startswith("measured now") and again.memory.source.startswith("measured now")
     given = bandwidths(disk_file=experts, disk_gbps=1.5, mem_gbps=3.0)
     assert (given.disk.gbps, given.memory.gbps) == (1.5, 3.0)
-
-
-@pytest.mark.parametrize("streams", [1, 3, machine.READ_THREADS])
-def test_disk_measure_reads_every_byte_once(tmp_path: Path, streams: int) -> None:
-    """Blocks taken in file order by `streams` readers: the whole file (its last block short), or
-    the first `limit` bytes rounded up to whole blocks, counted once."""
-    path = tmp_path / "experts.bin"
-    path.write_bytes(bytes(10 * 8192 + 4096))
-    m = machine.measure_disk(path, None, block=8192, streams=streams)
-    assert m["bytes"] == 10 * 8192 + 4096 and m["streams"] == streams and m["gbps"] > 0
-    assert machine.measure_disk(path, 3 * 8192 + 1, block=8192, streams=streams)["bytes"] == 4 * 8192
-    with pytest.raises(WasteError, match="streams must be at least 1"):
-        machine.measure_disk(path, streams=0)
-
-
-def test_a_disk_figure_from_another_read_pattern_is_measured_again(q4: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cached figure measured one read at a time (before the store's READ_THREADS reads in
-    flight were measured) is not reused."""
-    monkeypatch.setenv("WASTE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(machine, "MIN_CACHED_DISK_SAMPLE", 0)
-    experts = q4 / "experts.bin"
-    key = machine._device_key(experts)
-    (tmp_path / "machine.json").write_text(json.dumps({
-        "disks": {key: {"gbps": 0.123, "when": "then", "what": "read sequentially"}},
-        "memory": {"gbps": 9.0, "when": "then", "what": "a copy"}}))
-    fresh = bandwidths(disk_file=experts)
-    assert fresh.disk.gbps != 0.123 and fresh.disk.source.startswith("measured now")
-    assert f"{machine.READ_THREADS} reads in flight" in fresh.disk.source
-    cached = json.loads((tmp_path / "machine.json").read_text())["disks"][key]
-    assert cached["streams"] == machine.READ_THREADS
-    assert bandwidths(disk_file=experts).disk.gbps == cached["gbps"]
 
 
 def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_path: Path) -> None:

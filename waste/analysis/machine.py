@@ -3,11 +3,10 @@
 Measured once and cached in `machine.json` under `$WASTE_CACHE_DIR` (default
 `~/.cache/waste`), so that a plan costs nothing the second time:
 
-- disk: a read of up to DISK_SAMPLE_BYTES of a container's experts.bin from its start in 8 MiB
-  reads, READ_THREADS of them in flight as the expert store keeps them, with O_DIRECT where the
-  file system takes it (otherwise buffered, after evicting the file from the page cache),
-  cached per file system (its device number); what the expert store's reads can reach at best
-  on that disk;
+- disk: a sequential read of up to DISK_SAMPLE_BYTES of a container's experts.bin in 8 MiB
+  reads, with O_DIRECT where the file system takes it (otherwise buffered, after evicting the
+  file from the page cache), cached per file system (its device number); what the expert
+  store's reads can reach at best on that disk;
 - memory: `copy_bandwidth` (waste.analysis.budget), bytes read plus written per second by a
   copy of MEMORY_SAMPLE_BYTES on as many threads as Numba's kernels use.
 
@@ -22,7 +21,6 @@ import datetime
 import json
 import mmap
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +31,6 @@ from waste.fileio import write_atomic
 
 DISK_SAMPLE_BYTES = 1 << 30
 DISK_BLOCK = 8 << 20
-# Positional reads the streaming expert store keeps in flight (its reader threads; `waste run
-# --read-threads`), and so the disk is measured with as many. One at a time this VM's virtio disk
-# read 0.65 GB/s, while the store's four reached 1.6 GB/s: a plan priced at the first put its
-# decode bound below the run (bench/scale.py, 2026-12-01).
-READ_THREADS = 4
 MIN_CACHED_DISK_SAMPLE = 256 << 20  # a shorter read (a small container) is used once, never cached
 MEMORY_SAMPLE_BYTES = 256 << 20
 CACHE_FILE = "machine.json"
@@ -97,63 +90,37 @@ def _cached(entry: Any, where: Path) -> Bandwidth | None:
 
 
 def measure_disk(path: Path, limit: int | None = DISK_SAMPLE_BYTES, *, direct: bool = True,
-                 block: int = DISK_BLOCK, streams: int = READ_THREADS) -> dict[str, Any]:
-    """Read `path` from its start (up to `limit` bytes; None: all of it) in `block`-byte reads,
-    `streams` of them in flight (threads taking the next block in file order, as the expert store's
-    readers take blobs), with O_DIRECT when `direct` and the file system takes it, else buffered
-    after evicting the file from the page cache: {bytes, seconds, gbps, io_mode, streams}."""
-    if streams < 1:
-        raise WasteError(f"disk read streams must be at least 1, got {streams}")
+                 block: int = DISK_BLOCK) -> dict[str, Any]:
+    """Sequential read of `path` from its start (up to `limit` bytes; None: all of it) in `block`
+    byte reads, with O_DIRECT when `direct` and the file system takes it, else buffered after
+    evicting the file from the page cache: {bytes, seconds, gbps, io_mode}."""
     flag = getattr(os, "O_DIRECT", 0) if direct else 0
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
     try:
-        fd, io_mode = os.open(path, os.O_RDONLY | flag), "direct" if flag else "buffered"
-    except OSError:
         try:
+            fd, io_mode = os.open(path, os.O_RDONLY | flag), "direct" if flag else "buffered"
+        except OSError:
             fd, io_mode = os.open(path, os.O_RDONLY), "buffered"
-        except OSError as e:
-            raise WasteError(f"measuring the disk with {path}: {e.strerror}") from None
-    lock = threading.Lock()
-    state = {"next": 0, "total": 0, "error": None}
-
-    def reader() -> None:
-        buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
         try:
-            while True:
-                with lock:
-                    offset = state["next"]
-                    if state["error"] is not None or (limit is not None and offset >= limit):
-                        return
-                    state["next"] = offset + block
-                got = os.preadv(fd, [buf], offset)
-                with lock:
-                    state["total"] += got
-                if got < block:  # the end of the file
-                    return
-        except OSError as e:
-            with lock:
-                state["error"] = e
+            if io_mode == "buffered":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages go; the read comes from disk
+            total = 0
+            t0 = time.perf_counter()
+            while limit is None or total < limit:
+                got = os.preadv(fd, [buf], total)
+                if got == 0:
+                    break
+                total += got
+            seconds = time.perf_counter() - t0
         finally:
-            buf.close()
-
-    try:
-        if io_mode == "buffered":
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages go; the read comes from disk
-        threads = [threading.Thread(target=reader, name="waste-disk-read") for _ in range(streams)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - t0
+            os.close(fd)
+    except OSError as e:
+        raise WasteError(f"measuring the disk with {path}: {e.strerror}") from None
     finally:
-        os.close(fd)
-    if state["error"] is not None:
-        raise WasteError(f"measuring the disk with {path}: {state['error'].strerror}") from None
-    total = int(state["total"])
+        buf.close()
     if total == 0 or seconds <= 0:
         raise WasteError(f"measuring the disk with {path}: nothing to read")
-    return {"bytes": total, "seconds": seconds, "gbps": total / seconds / 1e9, "io_mode": io_mode,
-            "streams": streams}
+    return {"bytes": total, "seconds": seconds, "gbps": total / seconds / 1e9, "io_mode": io_mode}
 
 
 def bandwidths(*, disk_file: Path, disk_gbps: float | None = None, mem_gbps: float | None = None,
@@ -171,16 +138,12 @@ def bandwidths(*, disk_file: Path, disk_gbps: float | None = None, mem_gbps: flo
         disk = Bandwidth(disk_gbps, "given (--disk-gbps)")
     else:
         key = _device_key(disk_file)
-        entry = disks.get(key)
-        # A figure from another way of reading (one read at a time, before READ_THREADS) is measured again.
-        same_reads = isinstance(entry, dict) and entry.get("streams") == READ_THREADS
-        cached = None if measure or not same_reads else _cached(entry, path)
+        cached = None if measure else _cached(disks.get(key), path)
         if cached is None:
             m = measure_disk(disk_file)
-            what = (f"{m['bytes'] / 1e9:.2f} GB of {disk_file} read in order, {READ_THREADS} reads in flight, "
-                    f"{m['io_mode']}, device {key}")
+            what = f"{m['bytes'] / 1e9:.2f} GB of {disk_file} read sequentially, {m['io_mode']}, device {key}"
             if m["bytes"] >= MIN_CACHED_DISK_SAMPLE:
-                disks[key] = {"gbps": m["gbps"], "when": when, "what": what, "streams": READ_THREADS}
+                disks[key] = {"gbps": m["gbps"], "when": when, "what": what}
                 cached, changed = Bandwidth(m["gbps"], f"measured now: {what}; cached in {path}"), True
             else:
                 cached = Bandwidth(m["gbps"], f"measured now: {what}; too short a read to cache or trust")

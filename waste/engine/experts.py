@@ -41,7 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from waste.analysis.machine import READ_THREADS
 from waste.container.format import EXPERTS
 from waste.errors import WasteError
 from waste.kernels.quant import QMatrix
@@ -313,7 +312,7 @@ class StreamingExpertStore(ExpertStore):
         container: Any,
         budget_bytes: int,
         policy: str = "lru",
-        read_threads: int = READ_THREADS,
+        read_threads: int = 4,
         direct_io: bool = False,
     ):
         super().__init__(container)
@@ -483,7 +482,7 @@ def open_expert_store(
     container: Any,
     budget_bytes: int | None,
     policy: str = "lru",
-    read_threads: int = READ_THREADS,
+    read_threads: int = 4,
     direct_io: bool = False,
 ) -> ExpertStore:
     """The store `waste run` uses: budget None maps the container, otherwise stream."""
