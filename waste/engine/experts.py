@@ -17,6 +17,16 @@ phases whose semantics docs/TRACE.md fixes and `waste.analysis.cache_sim` replay
 at once and each miss as soon as its read finishes, and runs the touch phase when the last
 one has been handed out, so the cache ends in the state `get` leaves.
 
+Integrity (issue 14): each blob read is checked against its CRC32C, in the reader thread right
+after the read (while the blob is in that core's cache), but off the critical path: `fetch`
+hands the blob out as soon as its read finishes and the check runs meanwhile. The caller waits
+for the checks with `verify_pending` before it gives out anything computed from the blobs (the
+model does at the end of every step, and before it reports any other error of the step), which
+raises the ContainerError of a blob that failed and drops that blob from the cache. A cached
+blob whose check has not finished is never handed out again before it passes: `fetch` waits for
+it first. `get` returns checked experts only. With one read thread (no pool) the check runs in
+the caller, before the blob is handed out.
+
 The cache charges each entry its blob's size in experts.bin (padding included), which is
 the size of the buffer the decoded views live in; the charge never exceeds the budget.
 Experts handed out stay valid after eviction: they hold their own buffer. An evicted entry's
@@ -161,9 +171,15 @@ class ExpertStore(ABC):
         """An iterator of (index into expert_ids, expert), one for every id asked for, in the order
         they become available; a store that reads from disk issues the reads at the call and hands
         out its hits first (`ready` of them). Once exhausted, the counters and the cache are as
-        `get` leaves them."""
+        `get` leaves them. The data checks of what it handed out may still be running: call
+        `verify_pending` before using any result computed from them."""
         experts = self.get(layer, expert_ids)
         return Arrivals(enumerate(experts), len(experts))
+
+    @abstractmethod
+    def verify_pending(self) -> None:
+        """Wait for the integrity checks of every expert handed out so far; raise the
+        ContainerError of a blob that failed."""
 
     @property
     def last_hits(self) -> np.ndarray:
@@ -224,6 +240,9 @@ class MmapExpertStore(ExpertStore):
         self._last_hits = np.zeros(len(ids), bool)
         return out
 
+    def verify_pending(self) -> None:
+        """Nothing pending: the container checks each expert's CRCs when `get` first touches it."""
+
     def close(self) -> None:
         """Nothing to release: the container owns the map."""
 
@@ -232,6 +251,7 @@ class MmapExpertStore(ExpertStore):
 class _Entry:
     expert: Expert
     buf: np.ndarray  # [nbytes] uint8, page-aligned; the decoded views point into it
+    checking: Future[None] | None = None  # its CRC check until `verify_pending` saw it pass
     freq: int = 0
     tick: int = 0
 
@@ -271,6 +291,14 @@ class _ExpertCache:
         self.entries[key] = entry
         self.held += nbytes
         self._push(key, entry)
+
+    def discard(self, key: tuple[int, int], entry: _Entry) -> None:
+        """Remove `key` if it holds `entry` (a blob that failed its check)."""
+        if self.entries.get(key) is entry:
+            del self.entries[key]
+            self.held -= int(entry.buf.nbytes)
+            if self.on_evict is not None:
+                self.on_evict(entry.buf)
 
     def _push(self, key: tuple[int, int], entry: _Entry) -> None:
         if self.policy != "lfu":
@@ -331,6 +359,8 @@ class StreamingExpertStore(ExpertStore):
         self._spare = _SpareBuffers(SPARE_BUFFERS)
         self._cache = _ExpertCache(self.budget_bytes, policy, self._spare.give)
         self._lock = threading.Lock()
+        # (layer, expert, its entry, its check) of blobs handed out whose checks nobody waited for yet
+        self._pending: list[tuple[int, int, _Entry | None, Future[None]]] = []
         self._retired_fds: list[int] = []
         self._fd: int | None = self._open(direct_io)
         self._pool = ThreadPoolExecutor(self.read_threads, "waste-expert-read") if self.read_threads > 1 else None
@@ -348,13 +378,17 @@ class StreamingExpertStore(ExpertStore):
         out: list[Expert | None] = [None] * len(expert_ids)
         for i, expert in self.fetch(layer, expert_ids):
             out[i] = expert
+        self.verify_pending()
         return out  # type: ignore[return-value]
 
     def fetch(self, layer: int, expert_ids: Sequence[int]) -> Arrivals:
         if self._fd is None:
             raise WasteError("expert store is closed")
         ids = self._check(layer, expert_ids)
+        self._forget_passed()
         looked_up = [self._cache.lookup((layer, e)) for e in ids]
+        if any(entry is not None and entry.checking is not None for entry in looked_up):
+            self.verify_pending()  # a hit whose check still runs or failed (the caller did not wait)
         hits = np.array([f is not None for f in looked_up], bool)
         found: dict[int, _Entry] = {i: f for i, f in enumerate(looked_up) if f is not None}
         missing = [i for i, f in enumerate(looked_up) if f is None]
@@ -364,29 +398,40 @@ class StreamingExpertStore(ExpertStore):
         # Disk-offset order: the pool takes work first in, first out.
         order = sorted(missing, key=lambda i: spans[i][0])
         finished: list[float] = []
-
-        def read(i: int) -> np.ndarray:
-            return self._fetch(layer, ids[i], *spans[i], finished)
+        checks: dict[int, Future[None]] = {}  # index -> its blob's check, running in a reader thread
+        queued: list[Future[None]] = []  # tasks that read, then check: cancelled before their read if the caller stops
 
         t0 = time.perf_counter()
         # The reads are issued now, before the caller computes with the hits.
-        pooled = self._pool is not None and len(order) > 1
-        futures = {self._pool.submit(read, i): i for i in order} if pooled else {}  # type: ignore[union-attr]
-        arrivals = _as_completed(futures) if pooled else ((i, read(i)) for i in order)
+        if self._pool is not None and len(order) > 1:
+            read: dict[Future[np.ndarray], int] = {}
+            for i in order:
+                arrived: Future[np.ndarray] = Future()
+                checks[i] = self._pool.submit(self._read_then_check, layer, ids[i], *spans[i], finished, arrived)
+                queued.append(checks[i])
+                read[arrived] = i
+            arrivals: Iterator[tuple[int, np.ndarray]] = _as_completed(read)
+        else:
+            arrivals = ((i, self._read_inline(layer, ids[i], *spans[i], finished, checks, i)) for i in order)
 
         def hand_out() -> Iterator[tuple[int, Expert]]:
+            complete = False
             try:
                 for i in sorted(found):
                     yield i, found[i].expert
                 for i, buf in arrivals:
-                    found[i] = _Entry(self.container.decode_expert(layer, buf), buf)
+                    found[i] = _Entry(self.container.decode_expert(layer, buf), buf, checking=checks.get(i))
                     st.bytes_read += int(buf.nbytes)
                     yield i, found[i].expert
+                complete = True
             finally:
-                # A caller that stops early (an error) leaves no read running into its buffers.
-                for f in futures:
-                    f.cancel()
-                wait(list(futures))
+                if not complete:
+                    # A caller that stops early (an error) leaves no read running into its buffers;
+                    # the checks of blobs handed out still count.
+                    for f in queued:
+                        f.cancel()
+                    wait(list(checks.values()))
+                self._pending.extend((layer, ids[i], found.get(i), f) for i, f in checks.items() if not f.cancelled())
             if order:
                 st.read_seconds += max(finished) - t0
             for i, e in enumerate(ids):
@@ -398,10 +443,42 @@ class StreamingExpertStore(ExpertStore):
 
         return Arrivals(hand_out(), len(found))
 
+    def verify_pending(self) -> None:
+        """Wait for the CRC checks of every blob handed out so far. A blob that failed leaves the
+        cache, and the first failure of the earliest request is raised."""
+        pending, self._pending = self._pending, []
+        wait([f for *_, f in pending])
+        failure: BaseException | None = None
+        for layer, expert, entry, f in pending:
+            error = f.exception()
+            if entry is not None and entry.checking is f:
+                entry.checking = None
+                if error is not None:
+                    self._cache.discard((layer, expert), entry)
+            if failure is None:
+                failure = error
+        if failure is not None:
+            raise failure
+
+    def _forget_passed(self) -> None:
+        """Drop the checks that finished and passed, so a caller that never waits holds no blobs."""
+        still = []
+        for item in self._pending:
+            entry, f = item[2], item[3]
+            if f.done() and f.exception() is None:
+                if entry is not None and entry.checking is f:
+                    entry.checking = None
+            else:
+                still.append(item)
+        self._pending = still
+
     def close(self) -> None:
+        """Waits for the reads and checks still running; a check nobody waited for is dropped with
+        the cache."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._pending.clear()
         with self._lock:
             for fd in [*self._retired_fds, *([self._fd] if self._fd is not None else [])]:
                 os.close(fd)
@@ -440,13 +517,33 @@ class StreamingExpertStore(ExpertStore):
             self._fd = fd
             self.io_note = note
 
-    def _fetch(self, layer: int, expert: int, offset: int, nbytes: int, finished: list[float]) -> np.ndarray:
-        """Read one blob and check its CRCs (in the reader thread: the CRC releases the GIL);
-        appends the time the read finished to `finished`."""
+    def _read_then_check(self, layer: int, expert: int, offset: int, nbytes: int, finished: list[float],
+                         arrived: Future[np.ndarray]) -> None:
+        """In a reader thread: read one blob, hand it to `arrived` (appending the time the read
+        finished to `finished`), then check its CRCs while the blob is still in this core's cache
+        (the CRC releases the GIL). A failed check is this task's exception; a failed read is
+        `arrived`'s."""
+        try:
+            buf = self._read(offset, nbytes)
+        except BaseException as e:
+            arrived.set_exception(e)
+            return
+        finished.append(time.perf_counter())
+        arrived.set_result(buf)
+        if self._verify:
+            self.container.check_expert(layer, expert, buf)
+
+    def _read_inline(self, layer: int, expert: int, offset: int, nbytes: int, finished: list[float],
+                     checks: dict[int, Future[None]], index: int) -> np.ndarray:
+        """A read in the caller (a single miss, or no pool); its check goes to a reader thread,
+        or runs here when there is none."""
         buf = self._read(offset, nbytes)
         finished.append(time.perf_counter())
         if self._verify:
-            self.container.check_expert(layer, expert, buf)
+            if self._pool is not None:
+                checks[index] = self._pool.submit(self.container.check_expert, layer, expert, buf)
+            else:
+                self.container.check_expert(layer, expert, buf)
         return buf
 
     def _read(self, offset: int, nbytes: int) -> np.ndarray:

@@ -19,12 +19,18 @@ and pass): a prompt of up to PREFILL_PASS_TOKENS tokens never reads more expert 
 model holds, whatever the cache budget. Every position's output is the same whatever the
 chunk and the pass boundaries (issue 13). Decode runs one token with the recurrent KDA step
 and MLA attention in the latent space.
+
+A streaming store hands out expert blobs before their CRC checks finish (`waste.engine.experts`);
+every decode step and prefill pass waits for them (`_checked_experts`) before its logits are
+returned, and before any other error of the step is reported, so a damaged blob is reported as
+the ContainerError naming experts.bin, never as a NaN in some layer or as a token.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,6 +68,18 @@ def check_finite(x: np.ndarray, where: str, positions: np.ndarray) -> None:
     row = int(np.flatnonzero(~np.isfinite(x).all(axis=-1))[0])
     raise NonFiniteError(f"NaN or infinite values first appeared in {where} at position {int(positions[row])}; "
                          "the container's weights (or the session) produce them")
+
+
+@contextmanager
+def _checked_experts(store: ExpertStore) -> Iterator[None]:
+    """Wait for the checks of the experts a step used when it ends; when it fails, a failed
+    check is the error reported (the other error is its context)."""
+    try:
+        yield
+    except Exception:
+        store.verify_pending()
+        raise
+    store.verify_pending()
 
 
 class Observer(Protocol):
@@ -236,20 +254,21 @@ class Model:
         for start in range(0, a.size, PREFILL_PASS_TOKENS):
             part = a[start:start + PREFILL_PASS_TOKENS]
             positions = np.arange(session.position, session.position + part.size)
-            t0 = time.perf_counter()
-            h = self.embed.take_rows(part)
-            check_finite(h, "the token embeddings", positions)
-            self.times.add("embed", t0)
-            h = self._layers(h, positions, session, "prefill", observer, chunk)
-            last_pass = start + part.size >= a.size
-            rows = part.size - 1 if last_pass else part.size
-            if all_logits:
-                # The lm_head over `chunk` rows at a time: its output is [rows, vocab].
-                for r in range(0, rows, chunk):
-                    r1 = min(rows, r + chunk)
-                    out[start + r:start + r1] = self._logits(h[r:r1], positions[r:r1])
-            if last_pass:
-                out[-1] = self._logits(h[-1:], positions[-1:])[0]
+            with _checked_experts(self.store):
+                t0 = time.perf_counter()
+                h = self.embed.take_rows(part)
+                check_finite(h, "the token embeddings", positions)
+                self.times.add("embed", t0)
+                h = self._layers(h, positions, session, "prefill", observer, chunk)
+                last_pass = start + part.size >= a.size
+                rows = part.size - 1 if last_pass else part.size
+                if all_logits:
+                    # The lm_head over `chunk` rows at a time: its output is [rows, vocab].
+                    for r in range(0, rows, chunk):
+                        r1 = min(rows, r + chunk)
+                        out[start + r:start + r1] = self._logits(h[r:r1], positions[r:r1])
+                if last_pass:
+                    out[-1] = self._logits(h[-1:], positions[-1:])[0]
             session.tokens.extend(int(t) for t in part)
         session.last_logits = out[-1].copy()
         return out
@@ -259,12 +278,13 @@ class Model:
         a = self._check_ids([token], session)
         session.ensure_capacity(session.position + 1)
         positions = np.array([session.position])
-        t0 = time.perf_counter()
-        h = self.embed.take_rows(a)
-        check_finite(h, "the token embeddings", positions)
-        self.times.add("embed", t0)
-        h = self._layers(h, positions, session, "decode", observer)
-        logits = self._logits(h, positions)[0]
+        with _checked_experts(self.store):
+            t0 = time.perf_counter()
+            h = self.embed.take_rows(a)
+            check_finite(h, "the token embeddings", positions)
+            self.times.add("embed", t0)
+            h = self._layers(h, positions, session, "decode", observer)
+            logits = self._logits(h, positions)[0]
         session.tokens.append(int(token))
         session.last_logits = logits.copy()
         return logits
