@@ -16,7 +16,6 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from waste import sigbus
 from waste.env import blas_threads
 from waste.errors import CheckFailed, WasteError
 from waste.qformat import EXPERT_CHOICES, SCHEMES
@@ -215,7 +214,6 @@ def _silence_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    sigbus.install_on_map()  # a fault on a mapped container file: one line, exit 2 (not "Bus error")
     try:
         args = build_parser().parse_args(argv)
         blas_threads()  # a bad WASTE_BLAS_THREADS fails here, whether or not the command loads kernels

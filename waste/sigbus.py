@@ -20,12 +20,16 @@ verify`, which load no kernels otherwise, and the addresses of the tables below,
 in every process, could not be constants in cached code. The tables are ctypes memory allocated at
 import and never freed: up to `SLOTS` address ranges, each with its message.
 
-Who installs it. The command line always does: `waste.cli` calls `install_on_map()`, and the
-reader installs the handler when it maps the first non-empty file (commands that map nothing
-pay nothing). A library user decides: in a notebook the handler would turn the kernel's
-death by SIGBUS into the same death with one line in the kernel's log, so `open_container`
-never installs it by itself; call `install()` to have it. Every map is registered either
-way, so an `install()` after opening covers containers already open.
+Who installs it. The reader does, when it maps the first non-empty file of the process
+(`watch`), for the command line and library users alike: a process that maps no container pays
+nothing, one that does pays llvmlite's import and the compile once, and the process dies of a
+fault on a container's map with a line naming the file rather than a bare "Bus error" (in a
+notebook the kernel dies either way; the line goes to the kernel's log). Other faults reach the
+handler found at install, so nothing else changes. The automatic install happens once per
+process: a handler installed later keeps SIGBUS, even when more containers are opened; calling
+`install()` takes it back. A host that handles SIGBUS itself calls `install_on_map(False)`
+before opening a container; its maps are registered either way, so a later `install()` covers
+them.
 
 Limits: Linux on x86-64 and aarch64 only (the `struct sigaction` and `siginfo_t` layouts
 below); elsewhere `install` returns False and nothing changes. A handler installed after
@@ -71,7 +75,7 @@ _reporting = ctypes.c_int(0)  # set by the first faulting thread: the others wai
 _lock = threading.Lock()
 _handler_address = 0
 _engine: object = None  # llvmlite's execution engine owns the handler's code: kept for the process
-_install_on_map = False
+_install_on_map = True  # install at the first map (`watch`): see "Who installs it"
 
 # handler(sig, info, context): info->si_code at byte 8, info->si_addr at byte 16 (64-bit Linux)
 _IR = """
@@ -195,11 +199,12 @@ def install() -> bool:
     return True
 
 
-def install_on_map() -> None:
-    """Install the handler when the next file is mapped (`watch`), or now if one is: the CLI's choice."""
+def install_on_map(enabled: bool = True) -> None:
+    """Whether the first container map of the process installs the handler (the default). With
+    `enabled` and a file already mapped, install now."""
     global _install_on_map
-    _install_on_map = True
-    if any(_ranges[3 * i + 1] for i in range(SLOTS)):
+    _install_on_map = enabled
+    if enabled and any(_ranges[3 * i + 1] for i in range(SLOTS)):
         install()
 
 
@@ -228,7 +233,7 @@ def watch(mapped: np.ndarray, path: Path) -> int:
                 break
         else:
             return -1
-    if _install_on_map:
+    if _install_on_map and not _handler_address:
         install()
     return slot
 

@@ -70,8 +70,7 @@ from waste.engine.model import Model
 def decode():
     c = open_container(sys.argv[1])  # off the main thread: no lease is taken (lease.py)
     assert c.guarded == {"trunk.bin": False, "experts.bin": False}, c.guarded
-    assert not sigbus.installed()  # the library installs nothing by itself
-    assert sigbus.install() and sigbus.installed()
+    assert sigbus.installed()  # by the first map, without the library user asking
     model = Model(c)
     session = model.new_session(4096)
     logits = model.prefill(session, [1, 2, 3], all_logits=False)
@@ -87,6 +86,7 @@ worker.join()
 
 
 def test_library_run_off_the_main_thread_truncated(container: Path, tmp_path: Path) -> None:
+    """A library user who never calls sigbus.install(): opening the container installed it."""
     script = tmp_path / "decode.py"
     script.write_text(LIBRARY_RUN)
     child = subprocess.Popen([sys.executable, str(script), str(container)], stdout=subprocess.PIPE,
@@ -174,3 +174,27 @@ def test_registered_maps_are_forgotten_on_close(container: Path) -> None:
     with open_container(container):
         assert used() == before + 2
     assert used() == before
+
+
+OPTED_OUT = """
+import signal, sys
+from waste import sigbus
+from waste.container import open_container
+
+signal.signal(signal.SIGBUS, lambda *a: None)  # a host with a SIGBUS handler of its own
+sigbus.install_on_map(False)
+with open_container(sys.argv[1]) as c:
+    assert not sigbus.installed()
+    assert sigbus.install() and sigbus.installed()  # asked for: the maps already open are covered
+    assert c._watched and all(slot >= 0 for slot in c._watched)
+loaded = sorted(m for m in sys.modules if m == "numba" or m.startswith("numba."))
+assert not loaded, loaded  # the handler is llvmlite's, not a Numba kernel
+print("ok")
+"""
+
+
+def test_a_host_can_keep_sigbus(container: Path, tmp_path: Path) -> None:
+    script = tmp_path / "host.py"
+    script.write_text(OPTED_OUT)
+    out = subprocess.run([sys.executable, str(script), str(container)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "ok\n", out.stderr
