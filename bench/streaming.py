@@ -15,15 +15,22 @@ decode columns count decode alone.
 this is what the reads achieved together); `read %` is that time's share of the decode time
 (a MoE layer computes its cached and shared experts while its misses are read, so this is the
 time with reads in flight, not all of it spent waiting).
-The integrity check's cost (issue 14; target under 5% of decode time) is measured two ways in
-the same run, at the same thread count: every budget runs `--repeats` times with the expert
-CRCs checked and as many times without them (a container opened with verify=False, which is
-what `waste run --no-verify` does), alternating which goes first; `crc cost %` is the best
-checked decode time less the best unchecked one, over the best checked one (it can come out
-negative when the difference is below the noise), and `crc thread %` the time spent in
-`check_expert` on the blobs decode read, over the decode time (summed over reader threads, so
-an upper bound on what it adds to the wall time). The trunk's CRCs, checked once per open,
-are timed separately: `open_container` with and without them.
+The integrity check's cost (issue 14; target under 5% of decode time) is measured step by step,
+so that the rest of the machine's load falls on both sides alike: the decode steps of a run
+alternate between checking the CRC32C of the expert blobs they read and not checking them (the
+store's switch that `waste run --no-verify` sets), and every budget runs `--repeats` pairs of
+runs, the second of a pair checking the steps the first did not. Every step is so timed checked
+and unchecked, on the same tokens, cache state and reads, at the same read and Numba thread
+counts, with experts.bin evicted from the page cache before every run and read with O_DIRECT. The
+store checks each blob in its reader thread after handing it out, and each step waits for its
+checks before its logits (`waste.engine.experts`). `crc cost %` is the checked steps' time less
+the unchecked ones', over the checked ones'; `crc cost med %` the median of the step pairs'
+differences over the median checked step (either can come out negative when the difference is
+below the noise; the JSON keeps every run's decode time); `decode tok/s` and `no-verify tok/s`
+are the checked and unchecked steps' rates. `crc thread %` is the time spent in `check_expert`
+on the blobs decode read, over the checked steps' time (summed over reader threads, so an upper
+bound on what it adds to the wall time). The trunk's CRCs, checked once per open, are timed
+separately: `open_container` with and without them.
 The sequential baseline reads experts.bin start to end in 8 MiB reads in the same I/O mode,
 before and after the budgets (the better is kept). Prints a table, writes
 bench/results/streaming.json. Asserts nothing.
@@ -48,10 +55,19 @@ from waste.engine.experts import POLICIES, StreamingExpertStore
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, Model
 
 QUANT = "q4"
+CRC_COST_METHOD = ("decode steps alternate between checking the expert CRC32C of the blobs they read (in the "
+                   "reader threads, after hand-out; each step waits for its checks) and not checking them; each "
+                   "budget runs --repeats pairs of runs that swap which steps check, so every step is timed both "
+                   "ways on the same tokens and cache state, at the same read and Numba thread counts, with "
+                   "experts.bin evicted from the page cache before every run and read with O_DIRECT unless io says "
+                   "buffered; cost = (checked - unchecked step time) / checked step time, summed, and from the "
+                   "median step pair")
 
 
-def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argparse.Namespace) -> dict[str, Any]:
-    """One cache budget: drop the page cache, prefill `prompt` through a fresh store, decode `args.new` tokens."""
+def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argparse.Namespace,
+               checked_parity: int) -> dict[str, Any]:
+    """One cache budget: drop the page cache, prefill `prompt` through a fresh store, decode `args.new`
+    tokens; the decode steps whose index has parity `checked_parity` check the blobs they read."""
     expert_bytes = container.byte_counts()["expert_bytes"]
     budget = int(fraction * expert_bytes)
     dropped = common.drop_page_cache(container.experts_path, whole_machine=args.drop_all_caches)
@@ -63,56 +79,69 @@ def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argpar
         check(layer, expert, blob)
         crc_seconds.append(time.perf_counter() - t)  # list.append is atomic: reader threads share it
 
-    if container.verify_data:
-        container.check_expert = timed_check
-    with StreamingExpertStore(container, budget, args.policy, args.read_threads, direct_io=not args.buffered) as store:
-        model = Model(container, store=store)
-        session = model.new_session(len(prompt) + args.new)
-        t0 = time.perf_counter()
-        logits = model.prefill(session, prompt, chunk=args.prefill_chunk, all_logits=False)
-        prefill_s = time.perf_counter() - t0
-        prefill = store.stats.total
-        store.stats.reset()
-        crc_seconds.clear()
-        token = int(np.argmax(logits[-1]))
-        t0 = time.perf_counter()
-        for _ in range(args.new):
-            token = int(np.argmax(model.decode(session, token)))
-        decode_s = time.perf_counter() - t0
-        dec = store.stats.total
-        decode_crc_s = sum(crc_seconds)
-        if container.verify_data:
-            del container.check_expert
-        return {
-            "budget_fraction": fraction, "budget_bytes": budget, "cached_bytes_at_end": store.cached_bytes,
-            "io_mode": store.io_mode, "io_note": store.io_note, "cache_dropped": dropped,
-            "prefill_s": prefill_s, "prefill_tps": len(prompt) / prefill_s, "prefill_bytes_read": prefill.bytes_read,
-            "decode_s": decode_s, "decode_tps": args.new / decode_s,
-            "decode_bytes_per_token": dec.bytes_read / args.new,
-            "decode_hit_rate": None if np.isnan(dec.hit_rate) else dec.hit_rate,
-            "decode_read_s": dec.read_seconds,
-            "decode_read_share": dec.read_seconds / decode_s,
-            "decode_crc_s": decode_crc_s,
-            "decode_crc_share": decode_crc_s / decode_s,
-            "decode_read_gbps": None if np.isnan(dec.gbps) else dec.gbps, "verified": container.verify_data,
-            "decode_stats": dec.as_dict(),
-        }
+    container.check_expert = timed_check
+    try:
+        with StreamingExpertStore(container, budget, args.policy, args.read_threads,
+                                  direct_io=not args.buffered) as store:
+            model = Model(container, store=store)
+            session = model.new_session(len(prompt) + args.new)
+            t0 = time.perf_counter()
+            logits = model.prefill(session, prompt, chunk=args.prefill_chunk, all_logits=False)
+            prefill_s = time.perf_counter() - t0
+            prefill = store.stats.total
+            store.stats.reset()
+            crc_seconds.clear()
+            token = int(np.argmax(logits[-1]))
+            tokens, step_s, checked = [], [], []
+            for step in range(args.new):
+                checked.append(step % 2 == checked_parity)
+                # The switch `waste run --no-verify` sets through the container, here per step: the
+                # store checks the blobs it reads from now on, or not (each step waits for its own).
+                store._verify = checked[-1]
+                t0 = time.perf_counter()
+                token = int(np.argmax(model.decode(session, token)))
+                step_s.append(time.perf_counter() - t0)
+                tokens.append(token)
+            dec = store.stats.total
+    finally:
+        del container.check_expert
+    decode_s = sum(step_s)
+    checked_s = sum(t for t, c in zip(step_s, checked, strict=True) if c)
+    return {
+        "budget_fraction": fraction, "budget_bytes": budget, "cached_bytes_at_end": store.cached_bytes,
+        "io_mode": store.io_mode, "io_note": store.io_note, "cache_dropped": dropped,
+        "prefill_s": prefill_s, "prefill_tps": len(prompt) / prefill_s, "prefill_bytes_read": prefill.bytes_read,
+        "decode_s": decode_s, "decode_bytes_per_token": dec.bytes_read / args.new,
+        "decode_hit_rate": None if np.isnan(dec.hit_rate) else dec.hit_rate,
+        "decode_read_s": dec.read_seconds, "decode_read_share": dec.read_seconds / decode_s,
+        "decode_read_gbps": None if np.isnan(dec.gbps) else dec.gbps,
+        "checked_step_s": checked_s, "decode_crc_s": sum(crc_seconds),
+        "step_s": step_s, "step_checked": checked, "tokens": tokens, "decode_stats": dec.as_dict(),
+    }
 
 
-def checked_and_unchecked(checked: Any, unchecked: Any, fraction: float, prompt: np.ndarray,
-                          args: argparse.Namespace) -> dict[str, Any]:
-    """One budget `args.repeats` times with the expert CRCs and as many without (alternating which
-    runs first): the best checked run, with the best unchecked decode time and the cost beside it."""
-    best: dict[bool, dict[str, Any]] = {}
-    for r in range(args.repeats):
-        for container in (checked, unchecked) if r % 2 == 0 else (unchecked, checked):
-            run = run_budget(container, fraction, prompt, args)
-            if container.verify_data not in best or run["decode_s"] < best[container.verify_data]["decode_s"]:
-                best[container.verify_data] = run
-    out = best[True]
-    out["unchecked_decode_s"] = best[False]["decode_s"]
-    out["unchecked_decode_tps"] = best[False]["decode_tps"]
-    out["crc_cost_share"] = (out["decode_s"] - out["unchecked_decode_s"]) / out["decode_s"]
+def checked_and_unchecked(container: Any, fraction: float, prompt: np.ndarray, args: argparse.Namespace
+                          ) -> dict[str, Any]:
+    """One budget in `args.repeats` pairs of runs whose decode steps alternate between checking the
+    expert CRCs and not, the second run of a pair checking the steps the first did not: the CRC's
+    cost from every step timed both ways, and the first run's figures for the rest."""
+    runs = [run_budget(container, fraction, prompt, args, r % 2) for r in range(2 * args.repeats)]
+    checked = [t for run in runs for t, c in zip(run["step_s"], run["step_checked"], strict=True) if c]
+    unchecked = [t for run in runs for t, c in zip(run["step_s"], run["step_checked"], strict=True) if not c]
+    # Step k checked in run 2j against step k unchecked in run 2j + 1, and the other way round.
+    pairs = [(a, b) if ca else (b, a) for first, second in zip(runs[::2], runs[1::2], strict=True)
+             for a, b, ca in zip(first["step_s"], second["step_s"], first["step_checked"], strict=True)]
+    tokens_agree = all(run["tokens"] == runs[0]["tokens"] for run in runs)
+    out = runs[0]
+    for key in ("step_s", "step_checked", "tokens"):
+        del out[key]
+    out["decode_tps"] = len(checked) / sum(checked)
+    out["unchecked_decode_tps"] = len(unchecked) / sum(unchecked)
+    out["crc_cost_share"] = (sum(checked) - sum(unchecked)) / sum(checked)
+    out["crc_cost_share_median"] = float(np.median([a - b for a, b in pairs]) / np.median(checked))
+    out["decode_crc_share"] = sum(run["decode_crc_s"] for run in runs) / sum(checked)
+    out["decode_s_runs"] = [run["decode_s"] for run in runs]
+    out["tokens_agree"] = tokens_agree
     out["repeats"] = args.repeats
     return out
 
@@ -148,7 +177,7 @@ def main() -> int:
                         help="as root, also drop the whole machine's page cache before each budget "
                              "(by default only experts.bin is evicted, with posix_fadvise)")
     parser.add_argument("--repeats", type=int, default=2,
-                        help="runs per budget with the expert CRCs checked, and as many without (best kept)")
+                        help="pairs of runs per budget, each step checked in one run of a pair and not in the other")
     parser.add_argument("--quick", action="store_true", help="budgets 0 and 100 only, 16 decoded tokens")
     parser.add_argument("--cache-dir", type=Path, default=common.CACHE_DIR)
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "streaming.json")
@@ -178,8 +207,7 @@ def main() -> int:
               f"{seq_start['gbps']:.2f} GB/s ({seq_start['io_mode']}, page cache dropped by "
               f"{seq_start['cache_dropped']}); prompt {args.prompt_len}, {args.new} decoded, {args.policy}, "
               f"{args.read_threads} read threads")
-        with open_container(path, verify=False) as unchecked:
-            results = [checked_and_unchecked(c, unchecked, b / 100, prompt, args) for b in args.budgets]
+        results = [checked_and_unchecked(c, b / 100, prompt, args) for b in args.budgets]
         seq_end = common.sequential_read(c.experts_path, direct=direct)
     open_check = time_open_check(path)
     print(f"trunk CRC32C on open: {open_check['verified_s'] * 1e3:.1f} ms against "
@@ -191,20 +219,22 @@ def main() -> int:
         r["read_vs_sequential"] = None if r["decode_read_gbps"] is None else r["decode_read_gbps"] / seq_gbps
         hit = r["decode_hit_rate"]
         rows.append([f"{100 * r['budget_fraction']:g}%", r["budget_bytes"] / 1e6, r["io_mode"], r["decode_tps"],
-                     r["unchecked_decode_tps"], 100 * r["crc_cost_share"], 100 * r["decode_crc_share"],
+                     r["unchecked_decode_tps"], 100 * r["crc_cost_share"], 100 * r["crc_cost_share_median"],
+                     100 * r["decode_crc_share"],
                      r["decode_bytes_per_token"] / 1e6, None if hit is None else 100 * hit, r["decode_read_gbps"],
                      None if r["read_vs_sequential"] is None else 100 * r["read_vs_sequential"],
                      100 * r["decode_read_share"], r["prefill_tps"]])
     print(common.format_table(["budget", "MB", "io", "decode tok/s", "no-verify tok/s", "crc cost %",
-                               "crc thread %", "expert MB/tok", "hit %", "read GB/s", "% seq", "read %",
-                               "prefill tok/s"], rows))
+                               "crc cost med %", "crc thread %", "expert MB/tok", "hit %", "read GB/s", "% seq",
+                               "read %", "prefill tok/s"], rows))
+    print(f"crc cost: {CRC_COST_METHOD}")
     print(f"sequential read of experts.bin: {seq_start['gbps']:.2f} GB/s before, {seq_end['gbps']:.2f} GB/s after "
           f"({seq_start['io_mode']})")
     common.write_json(args.out, {
         "benchmark": "streaming", "preset": "mini", "scheme": QUANT, "machine": info,
         "load_average_at_end": list(os.getloadavg()),
         "settings": {"prompt_len": args.prompt_len, "new": args.new, "prefill_chunk": args.prefill_chunk,
-                     "repeats": args.repeats,
+                     "repeats": args.repeats, "crc_cost_method": CRC_COST_METHOD,
                      "policy": args.policy, "read_threads": args.read_threads, "direct_io": not args.buffered},
         "expert_bytes": counts["expert_bytes"], "expert_blob_bytes": counts["expert_blob_bytes"],
         "sequential_read": {"start": seq_start, "end": seq_end, "gbps": seq_gbps},
