@@ -148,3 +148,38 @@ def test_reading_the_state_mid_decode_changes_no_bits() -> None:
         watched.recurrent  # noqa: B018 - the read is the point
         assert not watched.has_pending and not np.any(watched.pending_d)
     np.testing.assert_array_equal(watched.recurrent, unwatched.recurrent)
+
+
+@pytest.mark.parametrize(("fmts", "full_rank"), [(("q8g",), False), (("q4g",), True), (("q4g", "q8g"), False),
+                                                 (("q8g", "q4g"), True)])
+def test_batched_decode_products_equal_one_by_one(fmts: tuple[str, ...], full_rank: bool) -> None:
+    """The decode step's two batched product calls (q formats) give the bits of the products one
+    by one (the path of f32 and bf16 weights), in the outputs and the state, token after token:
+    weights of one or two formats, low- and full-rank gates."""
+    d = copy.deepcopy(preset_dict("tiny"))
+    d["linear_attn_config"] |= {"use_full_rank_gate": full_rank}
+    cfg = parse_config(d)
+    rng = np.random.default_rng(53)
+    w = _weights(cfg, rng)
+    fmt_of = {name: fmts[i % len(fmts)] for i, name in enumerate(sorted(w))}
+
+    def layer() -> KDALayer:
+        return KDALayer.from_weights(cfg, lambda n: quantize(w[n[len(PREFIX):]], fmt_of[n[len(PREFIX):]]),
+                                     lambda n: w[n[len(PREFIX):]], PREFIX)
+
+    batched, one_by_one = layer(), layer()
+    assert batched._decode_batches is not None
+    one_by_one._decode_batches = None
+    s1, s2 = batched.new_state(), one_by_one.new_state()
+    for _ in range(3):
+        x = (3 * rng.standard_normal(cfg.hidden_size)).astype(np.float32)
+        np.testing.assert_array_equal(batched.decode(x, s1), one_by_one.decode(x, s2))
+    np.testing.assert_array_equal(s1.recurrent, s2.recurrent)
+    np.testing.assert_array_equal(s1.conv, s2.conv)
+    with pytest.raises(WasteError, match="decode input"):
+        batched.decode(np.ones(cfg.hidden_size + 1, np.float32), s1)
+
+
+def test_f32_layer_decodes_one_product_at_a_time() -> None:
+    cfg = load_preset("tiny")
+    assert _layer(cfg, _weights(cfg, np.random.default_rng(3)))._decode_batches is None

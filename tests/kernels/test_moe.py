@@ -211,7 +211,23 @@ def test_gated_experts_one_token_leave_other_formats_to_the_caller() -> None:
     assert gated_experts_one_token(np.ones((1, 32), np.float32), f32, None) is None
     assert gated_experts_one_token(np.ones((1, 32), np.float32), [*q8, *f32], None) is None
     q4 = _experts(rng, "q4g", 1, 32, 32)
-    assert gated_experts_one_token(np.ones((1, 32), np.float32), [*q8, *q4], None) is None
+    mx = _experts(rng, "mxfp4", 1, 32, 32)
+    assert gated_experts_one_token(np.ones((1, 32), np.float32), [*q8, *q4, *mx], None) is None
+    assert gated_experts_one_token(np.ones((1, 32), np.float32), [*q8, *_experts(rng, "q8g", 1, 64, 32)], None) is None
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize(("routed", "shared"), [("q4g", "q8g"), ("mxfp4", "q8g"), ("q8g", "q4g")])
+def test_gated_experts_one_token_two_formats_equal_one_by_one(routed: str, shared: str, act) -> None:
+    """A q4 layer's q4g routed experts with its q8g shared expert (and the other pairs) in one
+    batch: every row bit for bit the expert's own MLP, wherever the shared expert sits."""
+    rng = np.random.default_rng(47)
+    experts = [*_experts(rng, routed, 5, 64, 96), *_experts(rng, shared, 1, 64, 96)]
+    x = (4 * rng.standard_normal((1, 96))).astype(np.float32)
+    for order in (np.arange(6), rng.permutation(6)):
+        got = gated_experts_one_token(x, [experts[i] for i in order], act)
+        for row, want in zip(got, _one_by_one(x, [experts[i] for i in order], act), strict=True):
+            np.testing.assert_array_equal(row, want)
 
 
 def test_add_weighted_equals_numpy_row_by_row() -> None:

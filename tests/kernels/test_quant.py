@@ -351,38 +351,42 @@ def test_qmatrix_is_frozen() -> None:
         m.fmt = "q4g"  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("fmt", ["q8g", "q4g", "mxfp4"])
+@pytest.mark.parametrize("fmts", [("q8g",), ("q4g",), ("mxfp4",), ("q4g", "q8g"), ("q8g", "mxfp4")])
 @pytest.mark.parametrize(("M", "N", "K"), [(1, 16, 32), (5, 40, 64), (9, 33, 96)])
-def test_q_products_equal_one_product_each(fmt: str, M: int, N: int, K: int) -> None:
+def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int, K: int) -> None:
     """Every matrix of one call against its own matvec, bit for bit, into a NaN-filled output
-    (each output element written); inputs shared by several matrices or one each."""
-    rng = np.random.default_rng(M * 100 + N)
-    ms = [quantize((rng.standard_normal((N, K)) * rng.uniform(0.01, 2, (N, 1))).astype(np.float32), fmt)
-          for _ in range(M)]
+    (each output element written); inputs shared by several matrices or one each; matrices of
+    one or two formats in any order, with row counts of their own."""
+    rng = np.random.default_rng(M * 100 + N + len(fmts))
+    shapes = [(N if m % 2 == 0 else int(rng.integers(1, 3 * N)), K) for m in range(M)]
+    ms = [quantize((rng.standard_normal(shape) * rng.uniform(0.01, 2, (shape[0], 1))).astype(np.float32),
+                   fmts[int(rng.integers(len(fmts)))]) for shape in shapes]
     X = (rng.standard_normal((3, K)) * [[0.1], [1.0], [30.0]]).astype(np.float32)
     rows = rng.integers(0, 3, M)
     Y = qk.q_products(X, ms, rows)
-    assert Y.shape == (M, N) and Y.dtype == np.float32
+    assert Y.shape == (M, max(n for n, _ in shapes)) and Y.dtype == np.float32
     for m, w in enumerate(ms):
-        np.testing.assert_array_equal(Y[m], w.matvec(X[rows[m]]))
-    padded = ms[0]._qargs[3]
-    Y_nan = np.full((M, 1, padded), np.nan, np.float32)
-    addresses = np.array([w._qaddress for w in ms], np.int64)
-    tscales = np.array([w._qtscale for w in ms], np.float32)
-    qk._q_products(X, rows.astype(np.int64), addresses, tscales, *ms[0]._qargs[4:], Y_nan)
-    np.testing.assert_array_equal(Y_nan[:, 0, :N], Y)
-    assert np.isfinite(Y_nan).all()
+        np.testing.assert_array_equal(Y[m, :w.shape[0]], w.matvec(X[rows[m]]))
+        np.testing.assert_array_equal(Y[m, :w.shape[0]], qk.QBatch([w])(X, rows[m:m + 1])[0, :w.shape[0]])
+    batch = qk.QBatch(ms)
+    Y_nan = np.full((M, 1, batch.width), np.nan, np.float32)
+    qk._q_products(X, rows.astype(np.int64), batch.addresses, batch.tscales, batch.blocks, batch.formats,
+                   *batch.likes, Y_nan)
+    for m, w in enumerate(ms):
+        np.testing.assert_array_equal(Y_nan[m, 0, :w.shape[0]], Y[m, :w.shape[0]])
+        assert np.isfinite(Y_nan[m, 0, :batch.blocks[m] * 16]).all()
 
 
-def test_q_products_refuse_mixed_matrices_and_bad_inputs() -> None:
+def test_q_products_refuse_other_matrices_and_bad_inputs() -> None:
     rng = np.random.default_rng(5)
-    a, b = (quantize(rng.standard_normal((16, 32)).astype(np.float32), f) for f in ("q8g", "q4g"))
-    c = quantize(rng.standard_normal((32, 32)).astype(np.float32), "q8g")
+    a, b, c = (quantize(rng.standard_normal((16, 32)).astype(np.float32), f) for f in ("q8g", "q4g", "mxfp4"))
+    wide = quantize(rng.standard_normal((16, 64)).astype(np.float32), "q8g")
     X = np.ones((1, 32), np.float32)
-    for mixed in ([a, b], [a, c], [quantize(np.ones((16, 32)), "f32")]):
-        assert not qk.one_q_format(mixed)
-        with pytest.raises(WasteError, match="one format and shape"):
-            qk.q_products(X, mixed, [0] * len(mixed))
+    assert qk.batchable([a, b]) and qk.batchable([a, quantize(np.ones((48, 32)), "q8g")])
+    for other in ([a, b, c], [a, wide], [quantize(np.ones((16, 32)), "f32")], [a, quantize(np.ones((16, 32)), "bf16")]):
+        assert not qk.batchable(other)
+        with pytest.raises(WasteError, match="at most two formats and one input width"):
+            qk.q_products(X, other, [0] * len(other))
     with pytest.raises(WasteError, match="row ids"):
         qk.q_products(X, [a, a], [0, 1])
     with pytest.raises(WasteError, match="row ids"):

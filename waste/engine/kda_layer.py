@@ -29,7 +29,7 @@ from waste.kernels.kda import (
 )
 from waste.kernels.kda_chunk import prefill_kda
 from waste.kernels.kda_decode import apply_pending, kda_decode_step_deferred, new_state
-from waste.kernels.quant import QMatrix, matmul_pair
+from waste.kernels.quant import QBatch, QMatrix, batchable, matmul_pair
 from waste.kernels.short_conv import conv_taps, short_conv_silu, short_conv_silu_step
 
 GetMatrix = Callable[[str], QMatrix]
@@ -110,6 +110,12 @@ class KDALayer:
         self.gate = gate  # (g_a, g_b) low rank, or (g_proj,) full rank
         self.o_norm = np.ascontiguousarray(o_norm, np.float32).reshape(-1)  # [K]
         self.o_proj = o_proj
+        # A decode step's products in two kernel calls when the matrices are q formats: the six
+        # that read x (q, k, v, f_a, the gate's first, b), then the two of rank K (f_b, g_b).
+        first, second = [*qkv, f_a, gate[0], b_proj], [f_b, *gate[1:]]
+        self._decode_batches = (QBatch(first), QBatch(second)) if batchable(first) and batchable(second) else None
+        self._x_rows = np.zeros(len(first), np.int64)  # [6]: every product of the first call reads x
+        self._mid_rows = np.arange(len(second), dtype=np.int64)  # f_b reads f, g_b the gate's low rank
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str) -> KDALayer:
@@ -187,21 +193,37 @@ class KDALayer:
         o = gated_rmsnorm(o, self._output_gate(x), self.o_norm, self.eps)
         return self.o_proj.matmul(o.reshape(T, H * K))
 
-    def _decode(self, x: np.ndarray, state: KDAState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        x = np.ascontiguousarray(x, np.float32).reshape(-1)
-        self._check_state(state)
-        H, K = self.H, self.K
-        qkv = np.empty((3, H * K), np.float32)
+    def _decode_products(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """x [hidden] -> (q, k, v projections [3, H*K], f_b f_a x [H*K], the output gate [H*K]
+        before the sigmoid, b x [H]); each product the bits of its matvec."""
+        H, HK = self.H, self.H * self.K
+        if self._decode_batches is not None:
+            first, second = self._decode_batches
+            y = first(x[None, :], self._x_rows)  # [6, W]: q, k, v, f_a x, gate_a x (or g x), b x
+            low = np.ascontiguousarray(y[3:3 + len(self._mid_rows), :self.K])
+            mid = second(low, self._mid_rows)  # [1 or 2, W]: f_b f, g_b gate_a
+            gate = mid[1, :HK] if len(self.gate) == 2 else y[4, :HK]
+            return y[:3, :HK], mid[0, :HK], gate, y[5, :H]
+        qkv = np.empty((3, HK), np.float32)
         qkv[0], qkv[1] = _matvec_pair(x, self.qkv[0], self.qkv[1])
         qkv[2] = self.qkv[2].matvec(x)
-        q, k, v = short_conv_silu_step(qkv, self.taps3, state.conv).reshape(3, H, K)
         if len(self.gate) == 2:
             f, gate = _matvec_pair(x, self.f_a, self.gate[0])
             gate = self.gate[1].matvec(gate)
         else:
             f, gate = self.f_a.matvec(x), self.gate[0].matvec(x)
-        g = self._decay(self.f_b.matvec(f)[None, :])[0]
-        beta = _sigmoid(self.b_proj.matvec(x))
+        return qkv, self.f_b.matvec(f), gate, self.b_proj.matvec(x)
+
+    def _decode(self, x: np.ndarray, state: KDAState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        if x.shape[0] != self.o_proj.shape[0]:
+            raise WasteError(f"KDA decode input must have {self.o_proj.shape[0]} values, got {x.shape[0]}")
+        self._check_state(state)
+        H, K = self.H, self.K
+        qkv, fb, gate, b = self._decode_products(x)
+        q, k, v = short_conv_silu_step(qkv, self.taps3, state.conv).reshape(3, H, K)
+        g = self._decay(fb[None, :])[0]
+        beta = _sigmoid(b)
         o = kda_decode_step_deferred(q, k, v, g, beta, state.base, state.pending_k, state.pending_d)
         state.has_pending = True
         o = gated_rmsnorm(o, gate, self.o_norm, self.eps)

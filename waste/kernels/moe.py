@@ -31,7 +31,7 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel
-from waste.kernels.quant import QMatrix, matmul_pair, one_q_format, q_products
+from waste.kernels.quant import QBatch, QMatrix, batchable, matmul_pair
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
 
@@ -247,8 +247,11 @@ def add_weighted(y: np.ndarray, outs: np.ndarray, weights: np.ndarray) -> None:
 
 def run_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
     """Whether gated_experts_one_token runs these experts together: their gate and up matrices
-    q matrices of one format and shape, and their down matrices too."""
-    return one_q_format([m for e in experts for m in e[:2]]) and one_q_format([e[2] for e in experts])
+    q matrices of one shape and at most two formats (a q4 layer's q4g routed experts with its
+    q8g shared expert), and their down matrices too."""
+    gates_ups, downs = [m for e in experts for m in e[:2]], [e[2] for e in experts]
+    return (batchable(gates_ups) and batchable(downs) and len({m.shape for m in gates_ups}) == 1
+            and len({m.shape for m in downs}) == 1)
 
 
 def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
@@ -264,15 +267,20 @@ def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMat
     guide, not a quiet figure): 8 experts of `mini` q8 (6.7 MB) took 318 us together against
     353 us one by one from DRAM, 169 against 199 us from cache; a decode step's MoE layers
     4.07 -> 3.53 ms (`bench/moe_decode.py`). None when the experts are not q matrices of one
-    format and shape per projection (the caller runs them one by one).
+    shape and at most two formats per projection (`run_together`; the caller runs them one by
+    one).
     """
     n = len(experts)
     if not run_together(experts):
         return None
-    gates_ups, downs = [m for e in experts for m in e[:2]], [e[2] for e in experts]
-    gate_up = q_products(x, gates_ups, [0] * (2 * n)).reshape(n, 2, -1)
-    gate, up = np.ascontiguousarray(gate_up[:, 0]), np.ascontiguousarray(gate_up[:, 1])
+    (inner, width), out = experts[0][0].shape, experts[0][2].shape[0]
+    x = np.ascontiguousarray(x, np.float32)
+    if x.shape != (1, width) or experts[0][2].shape[1] != inner:
+        raise WasteError(f"experts [{inner}, {width}] -> [{out}, {experts[0][2].shape[1]}] cannot take x {x.shape}")
+    gates_ups, downs = QBatch([m for e in experts for m in e[:2]]), QBatch([e[2] for e in experts])
+    gate_up = gates_ups(x, np.zeros(2 * n, np.int64)).reshape(n, 2, -1)
+    gate, up = np.ascontiguousarray(gate_up[:, 0, :inner]), np.ascontiguousarray(gate_up[:, 1, :inner])
     h = np.empty_like(gate)
     beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
     _activate_rows(gate, up, situ_params is not None, beta, linear_beta, h)
-    return q_products(h, downs, range(n))
+    return downs(h, np.arange(n, dtype=np.int64))[:, :out]

@@ -176,35 +176,67 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     return Ya, Yb
 
 
-def one_q_format(matrices: Sequence[QMatrix]) -> bool:
-    """Whether the matrices are q matrices (q8g, q4g, mxfp4) of one format and shape: what
-    q_products multiplies."""
+def batchable(matrices: Sequence[QMatrix]) -> bool:
+    """Whether q_products multiplies these matrices in one call: q matrices (q8g, q4g, mxfp4) of
+    at most two formats and one input width K (any number of rows each)."""
     first = matrices[0]
-    return first.fmt in ("q8g", "q4g", "mxfp4") and all(m.fmt == first.fmt and m.shape == first.shape
-                                                          for m in matrices)
+    return (all(m.fmt in ("q8g", "q4g", "mxfp4") and m.shape[1] == first.shape[1] for m in matrices)
+            and len({m.fmt for m in matrices}) <= 2)
+
+
+class QBatch:
+    """A fixed list of q matrices multiplied in one kernel call (`_q_products`), with everything
+    the call derives from the matrices (addresses, scales, row blocks, formats) built once: a
+    decode step runs the same products on every token. Holds the matrices, so the addresses
+    stay valid. `QBatch(matrices)(X, rows)` -> Y [M, Nmax], Y[m, :N_m] = W_m X[rows[m]], bit for
+    bit W_m.matvec(X[rows[m]]); Y is a fresh array per call."""
+
+    def __init__(self, matrices: Sequence[QMatrix]):
+        if not matrices or not batchable(matrices):
+            raise WasteError("q_products multiplies q matrices (q8g, q4g, mxfp4) of at most two formats and one "
+                             "input width, got " + ", ".join(sorted({f"{m.fmt} {m.shape}" for m in matrices})))
+        self.matrices = list(matrices)
+        self.k = matrices[0].shape[1]
+        # A MoE decode step builds two of these per layer and token: one pass, plain lists.
+        first_fmt = matrices[0].fmt
+        addresses, tscales, blocks, formats = [], [], [], []
+        like_b = None
+        for m in matrices:
+            qargs = m._qargs  # type: ignore[attr-defined]
+            addresses.extend(m._qaddress)  # type: ignore[attr-defined]
+            tscales.append(m._qtscale)  # type: ignore[attr-defined]
+            blocks.append(qargs[3] // ROWS)
+            formats.append(m.fmt != first_fmt)
+            if m.fmt != first_fmt:
+                like_b = qargs[4:]
+        like_a = matrices[0]._qargs[4:]  # type: ignore[attr-defined]
+        # (codes, scales) that hold no rows, one pair per format: they pick each format's kernel
+        self.likes = (*like_a, *(like_b or like_a))
+        self.addresses = np.array(addresses, np.int64).reshape(-1, 2)  # [M, 2]: codes, scales
+        self.tscales = np.array(tscales, np.float32)  # [M]
+        self.blocks = np.array(blocks, np.int64)  # [M] row blocks of 16
+        self.formats = np.array(formats, np.int64)  # [M] 0: the first matrix's format, 1: the other
+        self.width = max(blocks) * ROWS
+
+    def __call__(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """X [R, K] float32 C-contiguous, rows [M] int64 in [0, R) (the caller's promise: unchecked)."""
+        Y = np.empty((len(self.matrices), 1, self.width), np.float32)
+        _q_products(X, rows, self.addresses, self.tscales, self.blocks, self.formats, *self.likes, Y)
+        return Y[:, 0]
 
 
 def q_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: Sequence[int]) -> np.ndarray:
-    """Y [M, N] with Y[m] = W_m X[rows[m]], for X [R, K] float32 and M q matrices W_m [N, K]
-    of one format and shape (one_q_format), in one kernel call (`_q_products`). Y[m] equals
-    W_m.matvec(X[rows[m]]) bit for bit. (Python here costs about as much as the kernel call on
-    small matrices, hence plain lists.)"""
-    if not one_q_format(matrices):
-        raise WasteError("q_products multiplies q matrices (q8g, q4g, mxfp4) of one format and shape, got "
-                         + ", ".join(sorted({f"{m.fmt} {m.shape}" for m in matrices})))
-    first = matrices[0]
-    n, k = first.shape
+    """Y [M, Nmax] with Y[m, :N_m] = W_m X[rows[m]], for X [R, K] float32 and M q matrices W_m
+    [N_m, K] of at most two formats (`batchable`), in one kernel call (`_q_products`); Nmax is
+    the largest N_m, and Y[m, N_m:] is left unspecified. Y[m, :N_m] equals
+    W_m.matvec(X[rows[m]]) bit for bit."""
+    batch = QBatch(matrices)
     X = np.ascontiguousarray(X, np.float32)
     rows = [int(r) for r in rows]
-    if X.ndim != 2 or X.shape[1] != k or len(rows) != len(matrices) or min(rows) < 0 or max(rows) >= len(X):
-        raise WasteError(f"{first.fmt} matrices {first.shape}: inputs must be [R, {k}] with row ids in [0, R) "
+    if X.ndim != 2 or X.shape[1] != batch.k or len(rows) != len(matrices) or min(rows) < 0 or max(rows) >= len(X):
+        raise WasteError(f"q matrices of width {batch.k}: inputs must be [R, {batch.k}] with row ids in [0, R) "
                          f"for each of {len(matrices)} matrices, got {X.shape} and {len(rows)} row ids")
-    addresses = np.array([a for m in matrices for a in m._qaddress], np.int64).reshape(-1, 2)  # type: ignore[attr-defined]
-    tscales = np.array([m._qtscale for m in matrices], np.float32)  # type: ignore[attr-defined]
-    _, _, _, padded, like_qs, like_scales = first._qargs  # type: ignore[attr-defined]
-    Y = np.empty((len(matrices), 1, padded), np.float32)
-    _q_products(X, np.array(rows, np.int64), addresses, tscales, like_qs, like_scales, Y)
-    return Y[:, 0, :n]
+    return batch(X, np.array(rows, np.int64))[:, :max(m.shape[0] for m in matrices)]
 
 
 def quantize(w: np.ndarray, fmt: str) -> QMatrix:
@@ -391,37 +423,65 @@ def _pointer(typingctx, address, like):
 
 
 @parallel_kernel
-def _q_products(X, rows, addresses, tscales, like_qs, like_scales, Y):
-    """Y[m, 0] = X[rows[m]] W_m^T for M matrices of one format and shape: the codes and scales of
-    W_m at addresses[m] (buffers as in _q_product, of the dtypes and block size of like_qs and
-    like_scales, which hold no rows), tscales [M], Y [M, 1, 16NB]. Each row of X is quantised
-    once, then the row blocks of all the matrices run in one parallel region.
+def _q_products(X, rows, addresses, tscales, blocks, formats, like_qs, like_scales, like_qs_b, like_scales_b, Y):
+    """Y[m, 0, :16 blocks[m]] = X[rows[m]] W_m^T for M q matrices of one input width (G groups):
+    the codes and scales of W_m at addresses[m], in the format of (like_qs, like_scales) where
+    formats[m] is 0 and of (like_qs_b, like_scales_b) where it is 1 (arrays of each format's
+    dtypes and block size that hold no rows), blocks[m] row blocks, tscales [M], Y [M, 1, W]
+    with W >= 16 max(blocks). Each row of X is quantised once, then the row blocks of all the
+    matrices run in one parallel region.
 
-    One decode step of a MoE layer multiplies a handful of experts' small matrices, and a call
-    and a parallel region per product cost microseconds each against products of 10-60 us
-    (`waste.kernels.moe.gated_experts_one_token` has the measurements). The callers keep the
-    matrices alive during the call: the kernel reads them by address."""
+    One decode step multiplies many small matrices (a MoE layer's experts, a KDA layer's six
+    input projections), and a call and a parallel region per product cost microseconds each
+    against products of 10-60 us (`waste.kernels.moe.gated_experts_one_token` has the
+    measurements). The callers keep the matrices alive during the call: the kernel reads
+    them by address."""
     R = X.shape[0]
     M = addresses.shape[0]
     G = like_qs.shape[1]
-    NB = Y.shape[2] // ROWS
     xq = np.empty((R, G * GROUP), np.int8)
     xsum = np.empty((R, G), np.int32)
     xs = np.empty((R, G), np.float32)
     for r in range(R):
         _quantize_token(X, r, xq, xsum, xs)
-    if M * NB * G * like_qs.shape[2] <= SERIAL_BYTES:
-        for i in range(M * NB):
-            _matrix_rows(X, rows, addresses, tscales, like_qs, like_scales, Y, xq, xsum, xs, i // NB, i % NB)
+    # Work item i is row block item_block[i] of matrix item_matrix[i].
+    items = 0
+    code_bytes = 0
+    for m in range(M):
+        items += blocks[m]
+        code_bytes += blocks[m] * G * (like_qs.shape[2] if formats[m] == 0 else like_qs_b.shape[2])
+    item_matrix = np.empty(items, np.int64)
+    item_block = np.empty(items, np.int64)
+    i = 0
+    for m in range(M):
+        for b in range(blocks[m]):
+            item_matrix[i] = m
+            item_block[i] = b
+            i += 1
+    if code_bytes <= SERIAL_BYTES:
+        for i in range(items):
+            _item_rows(rows, addresses, tscales, blocks, formats, like_qs, like_scales, like_qs_b, like_scales_b,
+                       Y, xq, xsum, xs, item_matrix[i], item_block[i])
     else:
-        for i in prange(M * NB):
-            _matrix_rows(X, rows, addresses, tscales, like_qs, like_scales, Y, xq, xsum, xs, i // NB, i % NB)
+        for i in prange(items):
+            _item_rows(rows, addresses, tscales, blocks, formats, like_qs, like_scales, like_qs_b, like_scales_b,
+                       Y, xq, xsum, xs, item_matrix[i], item_block[i])
 
 
 @kernel
-def _matrix_rows(X, rows, addresses, tscales, like_qs, like_scales, Y, xq, xsum, xs, m, b):
-    """Row block b of matrix m of _q_products."""
-    NB = Y.shape[2] // ROWS
+def _item_rows(rows, addresses, tscales, blocks, formats, like_qs, like_scales, like_qs_b, like_scales_b,
+               Y, xq, xsum, xs, m, b):
+    """Row block b of matrix m of _q_products, in its format's kernel."""
+    if formats[m] == 0:
+        _matrix_rows(rows, addresses, tscales, blocks, like_qs, like_scales, Y, xq, xsum, xs, m, b)
+    else:
+        _matrix_rows(rows, addresses, tscales, blocks, like_qs_b, like_scales_b, Y, xq, xsum, xs, m, b)
+
+
+@kernel
+def _matrix_rows(rows, addresses, tscales, blocks, like_qs, like_scales, Y, xq, xsum, xs, m, b):
+    """Row block b of matrix m of _q_products, its format given by like_qs and like_scales."""
+    NB = blocks[m]
     G = like_qs.shape[1]
     qs = numba.carray(_pointer(addresses[m, 0], like_qs), (NB, G, like_qs.shape[2]))
     scales = numba.carray(_pointer(addresses[m, 1], like_scales), (NB, G, ROWS))
