@@ -21,8 +21,8 @@ caught the error and kept the container open, 46.2 and 46.9 s before, 3 and 28 m
 `waste run`, which drops the container as the error unwinds, 8-12 ms before, under 1 ms now.
 tests/container/test_lease.py holds a bound far below lease-break-time. Why keep the lease at all, now that
 `waste.sigbus` turns a fault on a map into one line: an in-place rewrite causes no fault, the
-lease names what happened before any byte changed, and it works in a notebook that did not
-install the SIGBUS handler.
+lease names what happened before any byte changed, and it works in a process that keeps SIGBUS
+for itself (`waste.sigbus.install_on_map(False)`).
 
 What stays unguarded (`guard` returns False): a file this user does not own (leases need
 ownership or CAP_LEASE), a file system without leases (NFS), a file already open for writing
