@@ -15,12 +15,16 @@ available memory (`--ram` sizes the streaming budget as if the machine had that 
 mmap run cannot be capped without a memory cgroup, which this benchmark does not create).
 experts.bin is dropped from the page cache (posix_fadvise) before each child.
 
-Per store: a `--prompt-len` token prompt (random ids) timed as prefill, then `--new` greedy
-decode steps; steady-state decode speed is over the steps after the first `--warm` (their
-cache is warm). Reported: tokens/s, peak RSS against the planner's figure, cache budget, hit
+Per store: a `--prompt-len` token prompt (random ids) timed as prefill (cold: nothing of
+experts.bin in the page cache or the expert cache), then `--new` greedy decode steps;
+steady-state decode speed is over the steps after the first `--warm` (their cache is warm);
+then a second prompt of `--warm-prompt-len` other random ids in a new session, timed as the
+"warm" prefill: the expert cache (or page cache) holds what the first prompt and the decode
+left in it (0 skips it). Reported: tokens/s, peak RSS against the planner's figure, cache budget, hit
 rate and expert GB read per decoded token, next to the planner's decode bound at the hit
 rate measured and what `waste plan` predicts (`predict_run`, the same code: uniform routing,
-at the RAM and runtime the run planned with), with the NVMe bandwidth (a sequential O_DIRECT
+at the RAM and runtime the run planned with), its cold prefill bound (expert bytes over the
+disk's speed, compute left out), with the NVMe bandwidth (a sequential O_DIRECT
 read of experts.bin) and RAM bandwidth (a copy) measured in the same run.
 Other engineers may share the cores: the load average is recorded before and after.
 
@@ -107,12 +111,26 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             token = int(np.argmax(model.decode(session, token)))
             step_s.append(time.perf_counter() - t0)
         total = store.stats.total
+        peak_after_decode, layer_seconds = peak_rss(), dict(model.times.seconds)
+        warm_prefill: dict[str, Any] = {}
+        if args.warm_prompt_len:
+            del session
+            store.stats.reset()
+            second = model.new_session(args.warm_prompt_len)
+            t0 = time.perf_counter()
+            model.prefill(second, rng.integers(0, cfg.vocab_size, args.warm_prompt_len), chunk=args.prefill_chunk,
+                          all_logits=False)
+            warm_s = time.perf_counter() - t0
+            warm_prefill = {"warm_prefill_s": warm_s, "warm_prefill_tps": args.warm_prompt_len / warm_s,
+                            "warm_prefill_stats": store.stats.total.as_dict(),
+                            "peak_rss_after_warm_prefill": peak_rss()}
         steady = step_s[args.warm:]
         steady_read = total.bytes_read - (warm_stats or {}).get("bytes_read", 0)
         steady_hits = total.hits - (warm_stats or {}).get("hits", 0)
         steady_requests = total.requests - (warm_stats or {}).get("requests", 0)
         out = {
-            "store": args.child, "context": context, "decode_tokens": args.new, "io_mode": store.io_mode,
+            "store": args.child, "context": context, "prompt_len": args.prompt_len, "decode_tokens": args.new,
+            "io_mode": store.io_mode,
             "io_note": getattr(store, "io_note", ""),
             "cache_dropped": dropped, "memory_plan": memory.as_dict(),
             "cache_budget": getattr(store, "budget_bytes", None),
@@ -122,8 +140,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             "decode_tps_steady": len(steady) / sum(steady),
             "decode_hit_rate_steady": steady_hits / steady_requests if args.child == "streaming" else None,
             "decode_expert_gb_per_token_steady": steady_read / len(steady) / 1e9,
-            "decode_stats": total.as_dict(), "peak_rss": peak_rss(),
-            "layer_seconds": dict(model.times.seconds),
+            "decode_stats": total.as_dict(), "peak_rss": peak_after_decode,
+            "layer_seconds": layer_seconds, **warm_prefill,
         }
         store.close()
     return out
@@ -132,7 +150,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
 def child_run(args: argparse.Namespace, store: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", store, "--container", str(args.container_path),
            "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--warm", str(args.warm),
-           "--prefill-chunk", str(args.prefill_chunk), "--read-threads", str(args.read_threads)]
+           "--prefill-chunk", str(args.prefill_chunk), "--read-threads", str(args.read_threads),
+           "--warm-prompt-len", str(args.warm_prompt_len)]
     if args.ram:
         cmd += ["--ram", args.ram]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -148,8 +167,10 @@ def predictions(path: Path, result: dict[str, Any], nvme_gbps: float, mem_gbps: 
     plan = make_plan(str(path), context=result["context"])
     rates = Bandwidths(Bandwidth(nvme_gbps, "measured in this run: sequential O_DIRECT read of experts.bin"),
                        Bandwidth(mem_gbps, "measured in this run: a copy"))
-    predicted = predict_run(plan, mp["available"], rates, runtime=mp["runtime"], decode_tokens=result["decode_tokens"])
-    out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"], "waste_plan": predicted.as_dict()}
+    predicted = predict_run(plan, mp["available"], rates, runtime=mp["runtime"], decode_tokens=result["decode_tokens"],
+                            prompt_tokens=result["prompt_len"])
+    out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"], "waste_plan": predicted.as_dict(),
+                           "prefill_bound_tps": predicted.prefill.tokens_per_second}
     # The uniform-routing figure is the prediction for the streaming store `waste run` picks here.
     hits = {"uniform": predicted.hit_rate if result["store"] == "streaming" else None,
             "measured_hit": result["decode_hit_rate_steady"]}
@@ -171,6 +192,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new", type=int, default=72)
     parser.add_argument("--warm", type=int, default=8, help="decode steps left out of the steady state")
+    parser.add_argument("--warm-prompt-len", type=int, default=512, help="a second prompt after the decode, timed "
+                        "with the cache as the first run left it (0: none)")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     parser.add_argument("--read-threads", type=int, default=4)
     parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES))
@@ -180,8 +203,8 @@ def main() -> int:
     parser.add_argument("--child", choices=STORES, help=argparse.SUPPRESS)
     parser.add_argument("--container", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.new <= args.warm or args.prompt_len < 1:
-        parser.error("--new must exceed --warm and --prompt-len be at least 1")
+    if args.new <= args.warm or args.prompt_len < 1 or args.warm_prompt_len < 0:
+        parser.error("--new must exceed --warm, --prompt-len be at least 1 and --warm-prompt-len not negative")
     if args.child:
         print(json.dumps(run_store(args), default=common._jsonable))
         return 0
@@ -205,14 +228,16 @@ def main() -> int:
     rows = []
     for r in results:
         p = r["prediction"]
-        rows.append([r["store"], r["io_mode"], r["prefill_tps"], r["decode_tps_steady"],
+        rows.append([r["store"], r["io_mode"], r["prefill_tps"], p["prefill_bound_tps"], r.get("warm_prefill_tps"),
+                     r["decode_tps_steady"],
                      p["waste_plan"]["decode_bound_tps"] if r["store"] == "streaming" else None,
                      p.get("decode_bound_tps_measured_hit", p.get("decode_bound_tps_uniform")),
                      r["peak_rss"] / 2**30, p["planned_peak_rss"] / 2**30,
                      None if r["cache_budget"] is None else r["cache_budget"] / 2**30,
                      None if r["decode_hit_rate_steady"] is None else 100 * r["decode_hit_rate_steady"],
                      r["decode_expert_gb_per_token_steady"], r["prefill_expert_bytes_vs_model"]])
-    print(common.format_table(["store", "io", "prefill tok/s", "decode tok/s", "waste plan tok/s",
+    print(common.format_table(["store", "io", "cold prefill tok/s", "prefill bound tok/s", "warm prefill tok/s",
+                               "decode tok/s", "waste plan tok/s",
                                "bound at hit tok/s", "peak GiB",
                                "plan GiB", "cache GiB", "hit %", "GB/token", "prefill reads/model"], rows))
     if len(results) == 2:
@@ -226,8 +251,9 @@ def main() -> int:
         "machine": info, "load_average_before": load_before, "load_average_after": load_after,
         "synth_seconds": synth_s, "trunk_bytes": counts["trunk_bytes"], "expert_bytes": counts["expert_bytes"],
         "sequential_read": seq, "copy_bandwidth": mem,
-        "settings": {"prompt_len": args.prompt_len, "new": args.new, "warm": args.warm,
-                     "prefill_chunk": args.prefill_chunk, "read_threads": args.read_threads, "ram": args.ram},
+        "settings": {"prompt_len": args.prompt_len, "warm_prompt_len": args.warm_prompt_len, "new": args.new,
+                     "warm": args.warm, "prefill_chunk": args.prefill_chunk, "read_threads": args.read_threads,
+                     "ram": args.ram},
         "runs": results,
     })
     print(f"results: {out}")

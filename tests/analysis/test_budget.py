@@ -13,6 +13,7 @@ from waste.analysis.budget import (
     crossover_context,
     decode_speed_bound,
     plan_breakdown,
+    prefill_speed_bound,
     ram_breakdown,
     state_curve,
     state_curves,
@@ -73,6 +74,33 @@ def test_decode_bound_rises_with_hit_rate_and_is_memory_bound_at_full_hits():
     for bad in bads:
         with pytest.raises(WasteError):
             decode_speed_bound(plan, **({"hit_rate": 0.5, "nvme_gbps": 7.0, "mem_gbps": 60.0} | bad))
+
+
+def test_prefill_bound_by_hand_on_tiny():
+    """tiny: 8 experts, top-2, 4 MoE layers of 8 x 24576 B (f32). One token routes to 2 experts per
+    layer, the decode token's bytes; a long pass to all 8; the streaming store reads them again
+    every pass, the memory map once."""
+    plan = make_plan("tiny", scheme="f32", context=4096)
+    layer = 8 * 24576
+    one = prefill_speed_bound(plan, 1, nvme_gbps=2.0, mem_gbps=60.0)
+    assert one.nvme_bytes == plan.touched_per_token == 4 * 2 * 24576
+    # 3 tokens of 8 experts, top-2: 8 * (1 - (6/8)^3) = 4.625 experts per layer expected.
+    assert prefill_speed_bound(plan, 3, 2.0, 60.0).nvme_bytes == round(4 * 4.625 * 24576)
+    trunk_read = 864368 - 131072
+    streamed = prefill_speed_bound(plan, 4096, nvme_gbps=2.0, mem_gbps=60.0, pass_tokens=2048)
+    assert streamed.nvme_bytes == 2 * 4 * layer == 2 * plan.weights.experts_total
+    assert streamed.memory_bytes == 2 * trunk_read + 2 * 4 * layer
+    mapped = prefill_speed_bound(plan, 4096, nvme_gbps=2.0, mem_gbps=60.0, pass_tokens=2048, experts_fit=True)
+    assert mapped.nvme_bytes == plan.weights.experts_total and mapped.memory_bytes == streamed.memory_bytes
+    assert streamed.limited_by == "nvme"
+    assert streamed.tokens_per_second == pytest.approx(4096 / (2 * 4 * layer / 2e9))
+    assert mapped.tokens_per_second == pytest.approx(2 * streamed.tokens_per_second)
+    slow_ram = prefill_speed_bound(plan, 4096, nvme_gbps=2.0, mem_gbps=0.001, pass_tokens=2048)
+    assert slow_ram.limited_by == "memory"
+    assert slow_ram.tokens_per_second == pytest.approx(4096 / (slow_ram.memory_bytes / 1e6))
+    for bad in ({"prompt_tokens": 0}, {"nvme_gbps": 0}, {"mem_gbps": -1}):
+        with pytest.raises(WasteError):
+            prefill_speed_bound(plan, **({"prompt_tokens": 10, "nvme_gbps": 2.0, "mem_gbps": 60.0} | bad))
 
 
 def test_state_curve_matches_the_planner_and_the_seed():
@@ -155,11 +183,13 @@ def test_load_scale_bench(tmp_path) -> None:
 
     run = {"store": "streaming", "cache_budget": 5, "decode_hit_rate_steady": 0.5, "decode_tps_steady": 2.5,
            "prefill_tps": 30.0, "peak_rss": 9, "memory_plan": {"available": 20, "planned_peak": 10},
-           "prediction": {"decode_bound_tps_uniform": 4.0, "decode_bound_tps_measured_hit": 3.5}}
+           "prediction": {"decode_bound_tps_uniform": 4.0, "decode_bound_tps_measured_hit": 3.5,
+                          "waste_plan": {"decode_bound_tps": 3.9, "prefill_bound_tps": 12.5}}}
     path = tmp_path / "scale.json"
     path.write_text(json.dumps({"runs": [run]}))
     (point,) = load_scale_bench(path)
     assert point["ram"] == 20 and point["decode_tps"] == 2.5 and point["bound_tps"] == 3.5
+    assert point["predicted_tps"] == 3.9 and point["predicted_prefill_tps"] == 12.5
     path.write_text(json.dumps({"runs": [{"store": "mmap"}]}))
     with pytest.raises(WasteError, match="not a bench/scale.py result"):
         load_scale_bench(path)

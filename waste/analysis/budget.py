@@ -15,6 +15,17 @@ overlapped figure, an upper bound no engine on that hardware can beat; `serial_t
 is the no-overlap figure. Compute is left out on purpose: on CPU at batch 1 the step is
 bandwidth-bound, and leaving compute out keeps the figure a bound. Bandwidths are in
 decimal GB/s (1e9 bytes per second), as drive and memory vendors quote them.
+
+Prefill speed bound. A prompt of P tokens runs in layer-major passes of up to
+PREFILL_PASS_TOKENS tokens (`waste.engine.model`), and each pass of T tokens fetches, in every
+MoE layer, each expert its tokens route to once: with uniform routing E * (1 - (1 - k/E)^T)
+experts, all E for a long pass. From a cold cache they come from disk: once per pass with the
+streaming store (its LRU cache, smaller than the experts, has evicted a layer's experts by the
+time the next pass reaches that layer), once in all when every expert fits in RAM (a later
+pass reads only the experts no earlier pass routed to). The kernels then read those experts
+and the trunk from RAM, once per pass. The bound is P over the larger of the two transfer
+times; compute is left out again, which on 2 cores is far from free at prefill (the bound is
+what the disk allows, not a prediction of the run).
 """
 
 from __future__ import annotations
@@ -156,10 +167,65 @@ def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: 
 
 
 @dataclass(frozen=True)
+class PrefillBound:
+    """Bytes a cold prefill moves and the speed bound that follows (see the module docstring)."""
+
+    prompt_tokens: int
+    nvme_bytes: int  # routed expert bytes read from disk
+    memory_bytes: int  # trunk and routed expert bytes the kernels read from RAM
+    nvme_seconds: float
+    memory_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Upper bound with disk and RAM reads fully overlapped, compute left out."""
+        return self.prompt_tokens / max(self.nvme_seconds, self.memory_seconds)
+
+    @property
+    def limited_by(self) -> str:
+        return "nvme" if self.nvme_seconds >= self.memory_seconds else "memory"
+
+
+def routed_experts_per_layer(cfg: ModelConfig, tokens: int) -> float:
+    """Experts a pass of `tokens` tokens routes to in one MoE layer, expected under uniform routing."""
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    return E * (1.0 - (1.0 - k / E) ** max(tokens, 0))
+
+
+def prefill_speed_bound(plan: Plan, prompt_tokens: int, nvme_gbps: float, mem_gbps: float, *,
+                        experts_fit: bool = False, pass_tokens: int | None = None) -> PrefillBound:
+    """Speed bound of a prefill of `prompt_tokens` from a cold cache (see the module docstring):
+    the streaming store's (`experts_fit` False) or the memory map's when every expert fits in RAM;
+    passes of `pass_tokens` (default: the engine's PREFILL_PASS_TOKENS)."""
+    if prompt_tokens < 1:
+        raise WasteError(f"prompt of {prompt_tokens} tokens: expected at least 1")
+    if nvme_gbps <= 0 or mem_gbps <= 0:
+        raise WasteError(f"bandwidths must be positive, got NVMe {nvme_gbps} GB/s and memory {mem_gbps} GB/s")
+    if pass_tokens is None:
+        from waste.engine.model import PREFILL_PASS_TOKENS
+
+        pass_tokens = PREFILL_PASS_TOKENS
+    passes = [min(pass_tokens, prompt_tokens - start) for start in range(0, prompt_tokens, pass_tokens)]
+    layer_bytes = plan.weights.expert_layers * plan.weights.per_expert
+    fetched = sum(routed_experts_per_layer(plan.config, t) for t in passes) * layer_bytes
+    read = routed_experts_per_layer(plan.config, prompt_tokens) * layer_bytes if experts_fit else fetched
+    trunk_read = plan.weights.trunk - plan.weights.by_class.get("embedding", 0)
+    memory = len(passes) * trunk_read + fetched
+    return PrefillBound(
+        prompt_tokens=int(prompt_tokens),
+        nvme_bytes=int(round(read)),
+        memory_bytes=int(round(memory)),
+        nvme_seconds=read / (nvme_gbps * GB),
+        memory_seconds=memory / (mem_gbps * GB),
+    )
+
+
+@dataclass(frozen=True)
 class RunPrediction:
     """What `waste plan TARGET --ram R` predicts for a `waste run` on a machine with R available:
     the run's own memory plan (`waste.engine.memory.plan_memory`, the arithmetic `waste run`
-    uses), the hit rate its expert cache reaches, and the decode bound at that hit rate."""
+    uses), the hit rate its expert cache reaches, the decode bound at that hit rate and the bound
+    of the prompt's prefill from a cold cache."""
 
     memory: Any  # waste.engine.memory.MemoryPlan
     decode_tokens: int
@@ -169,6 +235,7 @@ class RunPrediction:
     hit_rate_source: str
     bound: DecodeBound
     bandwidths: Any  # waste.analysis.machine.Bandwidths
+    prefill: PrefillBound
 
     @property
     def fits(self) -> bool:
@@ -183,6 +250,8 @@ class RunPrediction:
                 "hit_rate_source": self.hit_rate_source, "decode_bound_tps": self.bound.tokens_per_second,
                 "decode_serial_tps": self.bound.serial_tokens_per_second, "limited_by": self.bound.limited_by,
                 "disk_bytes_per_token": self.bound.nvme_bytes, "memory_bytes_per_token": self.bound.memory_bytes,
+                "prompt_tokens": self.prefill.prompt_tokens, "prefill_bound_tps": self.prefill.tokens_per_second,
+                "prefill_disk_bytes": self.prefill.nvme_bytes, "prefill_limited_by": self.prefill.limited_by,
                 "planned_peak_rss": self.memory.planned_peak, **self.bandwidths.as_dict()}
 
     def describe(self) -> str:
@@ -209,6 +278,9 @@ class RunPrediction:
             f"{human_bytes(b.memory_bytes)} from RAM at {bw.memory.gbps:.1f} GB/s",
             f"  decode bound {b.tokens_per_second:.2f} tok/s (disk and RAM reads overlapped; "
             f"{b.serial_tokens_per_second:.2f} one after the other), limited by {b.limited_by}",
+            f"  prefill of the {self.prefill.prompt_tokens} prompt tokens from a cold cache: "
+            f"{human_bytes(self.prefill.nvme_bytes)} of experts from disk, bound "
+            f"{self.prefill.tokens_per_second:.1f} tok/s (compute left out), limited by {self.prefill.limited_by}",
             f"  planned peak RSS {human_bytes(m.planned_peak)}",
             f"  disk: {bw.disk.source}",
             f"  memory: {bw.memory.source}",
@@ -229,12 +301,12 @@ def trace_hit_rate(trace: Any, cache_budget: int, blob_bytes: int, policy: str =
 
 
 def predict_run(plan: Plan, ram: int, bandwidths: Any, *, runtime: int, decode_tokens: int = PREDICT_DECODE_TOKENS,
-                trace: Any = None, trace_name: str = "") -> RunPrediction:
+                trace: Any = None, trace_name: str = "", prompt_tokens: int | None = None) -> RunPrediction:
     """The prediction of a run of `plan`'s model reaching `plan.context` tokens (`decode_tokens` of
-    them generated) on a machine with `ram` bytes available, the runtime (interpreter, NumPy,
-    Numba and the kernels) taking `runtime`: the hit rate is the fraction of experts the cache
-    holds (uniform routing) unless a routing `trace` is given, whose decode lookups are replayed
-    through that cache (LRU)."""
+    them generated, the `prompt_tokens` before them the prompt: by default the rest) on a machine
+    with `ram` bytes available, the runtime (interpreter, NumPy, Numba and the kernels) taking
+    `runtime`: the hit rate is the fraction of experts the cache holds (uniform routing) unless a
+    routing `trace` is given, whose decode lookups are replayed through that cache (LRU)."""
     from waste.engine.memory import plan_memory
     from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS
 
@@ -251,7 +323,10 @@ def predict_run(plan: Plan, ram: int, bandwidths: Any, *, runtime: int, decode_t
     else:
         hit, source = cached / total, "uniform routing: the fraction of experts cached"
     bound = decode_speed_bound(plan, hit, bandwidths.disk.gbps, bandwidths.memory.gbps)
-    return RunPrediction(memory, decode_tokens, cached, total, hit, source, bound, bandwidths)
+    prompt = max(plan.context - decode_tokens, 1) if prompt_tokens is None else prompt_tokens
+    prefill = prefill_speed_bound(plan, prompt, bandwidths.disk.gbps, bandwidths.memory.gbps,
+                                  experts_fit=memory.experts_fit)
+    return RunPrediction(memory, decode_tokens, cached, total, hit, source, bound, bandwidths, prefill)
 
 
 def state_curve(cfg: ModelConfig, contexts: Sequence[int], dtype: str = "f32", *, all_mla: bool = False) -> np.ndarray:
@@ -320,8 +395,8 @@ def load_scale_bench(path: str | Path) -> list[dict[str, Any]]:
     """The measured points of a `bench/scale.py` result (bench/results/scale-*.json), one per store:
     {store, preset, scheme, ram (the RAM the run planned for, bytes), cache_budget, hit_rate,
     decode_tps, prefill_tps, peak_rss, planned_peak_rss, bound_tps (at the hit rate measured),
-    predicted_tps and predicted_peak_rss (what `waste plan` predicts at that RAM, `predict_run`;
-    None in results written before it)} for placing on a budget plot."""
+    predicted_tps, predicted_prefill_tps and predicted_peak_rss (what `waste plan` predicts at that
+    RAM, `predict_run`; None in results written before it)} for placing on a budget plot."""
     import json
 
     try:
@@ -339,6 +414,7 @@ def load_scale_bench(path: str | Path) -> list[dict[str, Any]]:
                 "planned_peak_rss": mp["planned_peak"],
                 "bound_tps": pred.get("decode_bound_tps_measured_hit", pred.get("decode_bound_tps_uniform")),
                 "predicted_tps": predicted.get("decode_bound_tps"),
+                "predicted_prefill_tps": predicted.get("prefill_bound_tps"),
                 "predicted_peak_rss": predicted.get("planned_peak_rss"),
             })
     except FileNotFoundError:

@@ -17,6 +17,14 @@ phases whose semantics docs/TRACE.md fixes and `waste.analysis.cache_sim` replay
 at once and each miss as soon as its read finishes, and runs the touch phase when the last
 one has been handed out, so the cache ends in the state `get` leaves.
 
+Read-ahead (`read_ahead`, for a prefill pass long enough that every expert of every MoE layer
+will be routed): while one layer's request is served, the next layer's uncached experts are
+read as well, so the disk keeps reading while the next layer's attention and routing compute.
+They are read only into room the budget has beyond the cache's entries and the reads under way,
+evict nothing, and count as misses when asked for, so hits, evictions and the cache's final
+state are those of a run without it; a blob read ahead and not asked for is dropped (its bytes
+count as read, and as `unused_bytes`).
+
 Integrity (issue 14): each blob read is checked against its CRC32C, in the reader thread right
 after the read (while the blob is in that core's cache), but off the critical path: `fetch`
 hands the blob out as soon as its read finishes and the check runs meanwhile. The caller waits
@@ -46,6 +54,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -63,7 +72,9 @@ POLICIES = ("lru", "lfu")
 @dataclass
 class LayerStats:
     """Counters of one layer (or the total). `requests` counts expert lookups: one per id
-    asked for, so requests = hits + misses; `calls` counts `get` calls."""
+    asked for, so requests = hits + misses; `calls` counts `get` calls. `read_seconds` is
+    the wall time from the start of the layer's first read to the end of its last (a read
+    issued ahead starts when a reader thread takes it up)."""
 
     calls: int = 0
     requests: int = 0
@@ -71,6 +82,7 @@ class LayerStats:
     misses: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0
+    unused_bytes: int = 0  # read ahead, never asked for (included in bytes_read)
 
     @property
     def hit_rate(self) -> float:
@@ -180,6 +192,11 @@ class ExpertStore(ABC):
     def verify_pending(self) -> None:
         """Wait for the integrity checks of every expert handed out so far; raise the
         ContainerError of a blob that failed."""
+
+    def read_ahead(self, layers: Sequence[int]) -> AbstractContextManager[None]:
+        """Within the block, a store that reads from disk reads ahead the experts of the MoE layer
+        after the one asked for, in the order `layers` gives (see the module doc); here, nothing."""
+        return nullcontext()
 
     @property
     def last_hits(self) -> np.ndarray:
@@ -363,6 +380,15 @@ class StreamingExpertStore(ExpertStore):
         self._lock = threading.Lock()
         # (layer, expert, its entry, its check) of blobs handed out whose checks nobody waited for yet
         self._pending: list[tuple[int, int, _Entry | None, Future[None]]] = []
+        # Read-ahead (see the module doc): the MoE layers of the pass in order, the reads issued
+        # ahead ((layer, expert) -> (blob arrived, read-then-check task, bytes)) and their (start,
+        # end) times by layer; the bytes of a request's misses until its touch phase inserts them.
+        self._schedule: list[int] = []
+        self._ahead: dict[tuple[int, int], tuple[Future[np.ndarray], Future[None], int]] = {}
+        self._ahead_times: dict[int, list[tuple[float, float]]] = {}
+        self._ahead_bytes = 0
+        self._ahead_peak = 0
+        self._missing_bytes = 0
         self._retired_fds: list[int] = []
         self._fd: int | None = self._open(direct_io)
         self._pool = ThreadPoolExecutor(self.read_threads, "waste-expert-read") if self.read_threads > 1 else None
@@ -399,22 +425,31 @@ class StreamingExpertStore(ExpertStore):
         spans = {i: self.container.expert_span(layer, ids[i]) for i in missing}
         # Disk-offset order: the pool takes work first in, first out.
         order = sorted(missing, key=lambda i: spans[i][0])
-        finished: list[float] = []
+        # (start, end) of every read of this request; reads issued ahead fill theirs in already.
+        times = self._ahead_times.pop(layer, [])
         checks: dict[int, Future[None]] = {}  # index -> its blob's check, running in a reader thread
         queued: list[Future[None]] = []  # tasks that read, then check: cancelled before their read if the caller stops
+        ahead = {i: self._ahead.pop((layer, ids[i])) for i in order if (layer, ids[i]) in self._ahead}
+        self._drop_ahead([key for key in self._ahead if key[0] == layer])  # read ahead, not asked for
+        self._ahead_bytes -= sum(nbytes for *_, nbytes in ahead.values())
+        missing_bytes = sum(spans[i][1] for i in missing)
+        self._missing_bytes += missing_bytes
 
-        t0 = time.perf_counter()
         # The reads are issued now, before the caller computes with the hits.
-        if self._pool is not None and len(order) > 1:
+        if self._pool is not None and (len(order) > 1 or ahead):
             read: dict[Future[np.ndarray], int] = {}
             for i in order:
-                arrived: Future[np.ndarray] = Future()
-                checks[i] = self._pool.submit(self._read_then_check, layer, ids[i], *spans[i], finished, arrived)
+                if i in ahead:
+                    arrived, checks[i], _ = ahead[i]
+                else:
+                    arrived = Future()
+                    checks[i] = self._pool.submit(self._read_then_check, layer, ids[i], *spans[i], times, arrived)
                 queued.append(checks[i])
                 read[arrived] = i
             arrivals: Iterator[tuple[int, np.ndarray]] = _as_completed(read)
         else:
-            arrivals = ((i, self._read_inline(layer, ids[i], *spans[i], finished, checks, i)) for i in order)
+            arrivals = ((i, self._read_inline(layer, ids[i], *spans[i], times, checks, i)) for i in order)
+        self._read_next(layer)
 
         def hand_out() -> Iterator[tuple[int, Expert]]:
             complete = False
@@ -434,8 +469,9 @@ class StreamingExpertStore(ExpertStore):
                         f.cancel()
                     wait(list(checks.values()))
                 self._pending.extend((layer, ids[i], found.get(i), f) for i, f in checks.items() if not f.cancelled())
+                self._missing_bytes -= missing_bytes
             if order:
-                st.read_seconds += max(finished) - t0
+                st.read_seconds += max(end for _, end in times) - min(start for start, _ in times)
             for i, e in enumerate(ids):
                 self._cache.touch((layer, e), found[i])
             st.calls += 1
@@ -444,6 +480,75 @@ class StreamingExpertStore(ExpertStore):
             st.misses += len(missing)
 
         return Arrivals(hand_out(), len(found))
+
+    @contextmanager
+    def read_ahead(self, layers: Sequence[int]) -> Iterator[None]:
+        """Within the block, while MoE layer `layers[i]` is asked for, the uncached experts of
+        `layers[i + 1]` are read ahead (those of `layers[0]` at once), into the room the budget has
+        beyond the cache's entries and the reads under way (see the module doc). Needs reader
+        threads (`read_threads` > 1). What was read ahead and not asked for is dropped at the end."""
+        self._schedule = [int(layer) for layer in layers]
+        try:
+            if self._schedule:
+                self._read_layer_ahead(self._schedule[0])
+            yield
+        finally:
+            self._schedule = []
+            self._drop_ahead(list(self._ahead))
+            self._ahead_times.clear()
+
+    @property
+    def read_ahead_peak(self) -> int:
+        """The most bytes the cache's entries, the reads under way and the reads ahead took together
+        just after a read ahead was issued (never more than the budget)."""
+        return self._ahead_peak
+
+    def _read_next(self, layer: int) -> None:
+        """Read ahead the layer after `layer` in the read-ahead schedule, if any."""
+        if layer in self._schedule:
+            at = self._schedule.index(layer)
+            if at + 1 < len(self._schedule):
+                self._read_layer_ahead(self._schedule[at + 1])
+
+    def _read_layer_ahead(self, layer: int) -> None:
+        """Issue reads (and checks) of `layer`'s uncached experts, in disk order, while the budget
+        has room beyond the cache's entries, the reads under way and those already ahead."""
+        if self._pool is None:
+            return
+        room = self.budget_bytes - self._cache.held - self._missing_bytes - self._ahead_bytes
+        spans = sorted((self.container.expert_span(layer, e), e) for e in range(self._num_experts)
+                       if self._cache.lookup((layer, e)) is None and (layer, e) not in self._ahead)
+        times = self._ahead_times.setdefault(layer, [])
+        issued = False
+        for (offset, nbytes), e in spans:
+            if nbytes > room:
+                break
+            room -= nbytes
+            arrived: Future[np.ndarray] = Future()
+            task = self._pool.submit(self._read_then_check, layer, e, offset, nbytes, times, arrived)
+            self._ahead[(layer, e)] = (arrived, task, nbytes)
+            self._ahead_bytes += nbytes
+            issued = True
+        if issued:
+            self._ahead_peak = max(self._ahead_peak, self._cache.held + self._missing_bytes + self._ahead_bytes)
+
+    def _drop_ahead(self, keys: list[tuple[int, int]]) -> None:
+        """Forget reads issued ahead: cancel those not started, wait for the others (their buffers
+        are spare then; a failed check does not matter, nothing used the blob) and count their
+        bytes as read and unused."""
+        running = []
+        for key in keys:
+            arrived, task, nbytes = self._ahead.pop(key)
+            self._ahead_bytes -= nbytes
+            if not task.cancel():
+                running.append((arrived, task))
+                st = self.stats.layer(key[0])
+                st.bytes_read += nbytes
+                st.unused_bytes += nbytes
+        wait([task for _, task in running])
+        for arrived, _ in running:
+            if arrived.done() and arrived.exception() is None:
+                self._spare.give(arrived.result())
 
     def verify_pending(self) -> None:
         """Wait for the CRC checks of every blob handed out so far. A blob that failed leaves the
@@ -477,6 +582,7 @@ class StreamingExpertStore(ExpertStore):
     def close(self) -> None:
         """Waits for the reads and checks still running; a check nobody waited for is dropped with
         the cache."""
+        self._drop_ahead(list(self._ahead))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -519,28 +625,30 @@ class StreamingExpertStore(ExpertStore):
             self._fd = fd
             self.io_note = note
 
-    def _read_then_check(self, layer: int, expert: int, offset: int, nbytes: int, finished: list[float],
-                         arrived: Future[np.ndarray]) -> None:
-        """In a reader thread: read one blob, hand it to `arrived` (appending the time the read
-        finished to `finished`), then check its CRCs while the blob is still in this core's cache
-        (the CRC releases the GIL). A failed check is this task's exception; a failed read is
-        `arrived`'s."""
+    def _read_then_check(self, layer: int, expert: int, offset: int, nbytes: int,
+                         times: list[tuple[float, float]], arrived: Future[np.ndarray]) -> None:
+        """In a reader thread: read one blob, hand it to `arrived` (appending the times the read
+        started, its buffer included, and finished to `times`), then check its CRCs while the blob
+        is still in this core's cache (the CRC releases the GIL). A failed check is this task's
+        exception; a failed read is `arrived`'s."""
+        start = time.perf_counter()
         try:
             buf = self._read(offset, nbytes)
         except BaseException as e:
             arrived.set_exception(e)
             return
-        finished.append(time.perf_counter())
+        times.append((start, time.perf_counter()))
         arrived.set_result(buf)
         if self._verify:
             self.container.check_expert(layer, expert, buf)
 
-    def _read_inline(self, layer: int, expert: int, offset: int, nbytes: int, finished: list[float],
+    def _read_inline(self, layer: int, expert: int, offset: int, nbytes: int, times: list[tuple[float, float]],
                      checks: dict[int, Future[None]], index: int) -> np.ndarray:
         """A read in the caller (a single miss, or no pool); its check goes to a reader thread,
         or runs here when there is none."""
+        start = time.perf_counter()
         buf = self._read(offset, nbytes)
-        finished.append(time.perf_counter())
+        times.append((start, time.perf_counter()))
         if self._verify:
             if self._pool is not None:
                 checks[index] = self._pool.submit(self.container.check_expert, layer, expert, buf)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,10 @@ DEFAULT_PREFILL_CHUNK = 256
 # Tokens a prefill pass takes through each layer at once: the residual stream of a pass is
 # PREFILL_PASS_TOKENS x hidden floats (19 MB at 2048 x 2304), its MoE reads each expert once.
 PREFILL_PASS_TOKENS = 2048
+# A prefill pass reads the next MoE layer's experts ahead (`ExpertStore.read_ahead`) when it makes at
+# least this many routing picks per expert: with uniform routing an expert is then left unpicked with
+# probability about exp(-4) = 2% (512 tokens x 8 of 256 experts: 16 picks per expert).
+READ_AHEAD_PICKS_PER_EXPERT = 4
 
 
 def check_finite(x: np.ndarray, where: str, positions: np.ndarray) -> None:
@@ -118,6 +122,7 @@ class Model:
         self.container = container
         self.config = cfg
         self.store = store if store is not None else MmapExpertStore(container)
+        self.read_ahead = True  # a long prefill pass reads the next MoE layer's experts ahead (_read_ahead)
         self.times = LayerTimes()
         get_matrix, get_tensor = container.matrix, container.tensor
         self.embed = get_matrix("model.embed_tokens.weight")
@@ -259,7 +264,8 @@ class Model:
                 h = self.embed.take_rows(part)
                 check_finite(h, "the token embeddings", positions)
                 self.times.add("embed", t0)
-                h = self._layers(h, positions, session, "prefill", observer, chunk)
+                with self._read_ahead(part.size):
+                    h = self._layers(h, positions, session, "prefill", observer, chunk)
                 last_pass = start + part.size >= a.size
                 rows = part.size - 1 if last_pass else part.size
                 if all_logits:
@@ -272,6 +278,14 @@ class Model:
             session.tokens.extend(int(t) for t in part)
         session.last_logits = out[-1].copy()
         return out
+
+    def _read_ahead(self, tokens: int) -> AbstractContextManager[None]:
+        """The store's read-ahead over the MoE layers for a pass of `tokens` prompt tokens, when
+        the pass is long enough that every expert is likely routed (READ_AHEAD_PICKS_PER_EXPERT)."""
+        cfg = self.config
+        if not self.read_ahead or tokens * cfg.num_experts_per_token < READ_AHEAD_PICKS_PER_EXPERT * cfg.num_experts:
+            return nullcontext()
+        return self.store.read_ahead(cfg.moe_layers)
 
     def decode(self, session: Session, token: int, *, observer: Observer | None = None) -> np.ndarray:
         """Consume one token; returns float32 logits [vocab] for the next position."""

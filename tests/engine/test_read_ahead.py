@@ -1,0 +1,99 @@
+"""Read-ahead of the next MoE layer's experts during a long prefill pass: the same logits, hits,
+misses and final cache as without it, reads never beyond the model's expert bytes, the cache
+budget never exceeded by what is read ahead, and unused reads dropped and counted."""
+
+from __future__ import annotations
+
+from concurrent.futures import wait
+
+import numpy as np
+import pytest
+
+from waste.container.reader import open_container
+from waste.engine.experts import MmapExpertStore, StreamingExpertStore
+from waste.engine.model import Model
+from waste.testing import tiny_container
+
+# 100 tokens x 2 of 8 experts: 25 picks per expert, so a prefill pass reads ahead.
+PROMPT = [int(t) for t in np.random.default_rng(11).integers(3, 500, 100)]
+DECODE = 4
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    return tiny_container(tmp_path_factory.mktemp("read_ahead") / "q4", quant="q4")
+
+
+def _run(c, store, read_ahead: bool) -> dict:
+    """Prefill PROMPT, decode DECODE greedy tokens: every logits row, the counters and the cache."""
+    model = Model(c, store=store)
+    model.read_ahead = read_ahead
+    session = model.new_session(len(PROMPT) + DECODE)
+    rows = [model.prefill(session, PROMPT, chunk=16)]
+    prefill = store.stats.total.as_dict()
+    for _ in range(DECODE):
+        rows.append(model.decode(session, int(np.argmax(rows[-1][-1])))[None, :])
+    out = {"logits": np.concatenate(rows), "prefill": prefill, "total": store.stats.total.as_dict(),
+           "cached": store.cached_keys() if isinstance(store, StreamingExpertStore) else None,
+           "peak": getattr(store, "read_ahead_peak", 0)}
+    store.close()
+    return out
+
+
+@pytest.mark.parametrize("layers_cached", [0, 1.5, 3, 99])
+def test_read_ahead_changes_nothing_but_when_reads_happen(q4, layers_cached) -> None:
+    """With a cache of 0, 1.5, 3 layers' experts or all of them: logits bit for bit those of the
+    memory map; hits, misses, bytes and the cache's final entries as without read-ahead; the
+    prefill reads at most the model's expert bytes, each expert at most once; what is cached,
+    under way and read ahead never takes more than the budget, and the read-ahead happens
+    whenever the budget has room for it."""
+    with open_container(q4) as c:
+        blob = int(c.expert_span(c.config.moe_layers[0], 0)[1])
+        budget = int(layers_cached * c.config.num_experts * blob)
+        mapped = _run(c, MmapExpertStore(c), True)
+        plain = _run(c, StreamingExpertStore(c, budget, read_threads=4), False)
+        ahead = _run(c, StreamingExpertStore(c, budget, read_threads=4), True)
+        expert_bytes = c.byte_counts()["expert_bytes"]
+    np.testing.assert_array_equal(ahead["logits"], mapped["logits"])
+    np.testing.assert_array_equal(plain["logits"], mapped["logits"])
+    for key in ("hits", "misses", "requests", "calls", "bytes_read"):
+        assert ahead["prefill"][key] == plain["prefill"][key], key
+        assert ahead["total"][key] == plain["total"][key], key
+    assert ahead["cached"] == plain["cached"]
+    assert ahead["prefill"]["unused_bytes"] == 0  # 25 picks per expert: every one is routed
+    assert 0 < ahead["prefill"]["bytes_read"] <= expert_bytes
+    assert ahead["prefill"]["misses"] <= len(c.config.moe_layers) * c.config.num_experts
+    assert ahead["peak"] <= budget
+    assert plain["peak"] == 0
+    assert (ahead["peak"] > 0) == (budget > 0)
+
+
+def test_read_ahead_reads_the_next_layer_before_it_is_asked_for(q4) -> None:
+    """Entering read-ahead reads the first layer; asking for a layer reads the next one; an expert
+    read ahead is handed out without a read of its own; one not asked for is dropped, its bytes
+    counted as read and unused, its buffer spare."""
+    with open_container(q4) as c:
+        layers = c.config.moe_layers[:3]
+        E = c.config.num_experts
+        store = StreamingExpertStore(c, 10 * E * int(c.expert_span(layers[0], 0)[1]), read_threads=4)
+        issued = []
+        read = store._read
+        store._read = lambda offset, nbytes: issued.append(offset) or read(offset, nbytes)  # type: ignore[method-assign]
+        with store.read_ahead(layers):
+            wait([task for _, task, _ in store._ahead.values()])
+            assert len(issued) == E and {k[0] for k in store._ahead} == {layers[0]}
+            store.get(layers[0], list(range(E)))
+            assert {k[0] for k in store._ahead} == {layers[1]}
+            wait([task for _, task, _ in store._ahead.values()])
+            assert len(issued) == 2 * E
+            store.get(layers[1], [0, 3])  # the 6 others of layers[1] were read for nothing
+            wait([task for _, task, _ in store._ahead.values()])
+            assert len(issued) == 3 * E
+        assert store._ahead == {} and store._ahead_bytes == 0 and store._missing_bytes == 0
+        unused = store.stats.layer(layers[1]).unused_bytes
+        assert unused == (E - 2) * int(c.expert_span(layers[1], 0)[1])
+        assert store.stats.layer(layers[1]).bytes_read == E * int(c.expert_span(layers[1], 0)[1])
+        assert store.stats.layer(layers[1]).misses == 2
+        assert store.stats.layer(layers[2]).unused_bytes == store.stats.layer(layers[2]).bytes_read > 0
+        assert sorted(k for k in store.cached_keys() if k[0] == layers[1]) == [(layers[1], 0), (layers[1], 3)]
+        store.close()
