@@ -4,11 +4,14 @@ budget never exceeded by what is read ahead, and unused reads dropped and counte
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import wait
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from waste.container.format import ContainerError
 from waste.container.reader import open_container
 from waste.engine.experts import MmapExpertStore, StreamingExpertStore
 from waste.engine.model import Model
@@ -97,3 +100,38 @@ def test_read_ahead_reads_the_next_layer_before_it_is_asked_for(q4) -> None:
         assert store.stats.layer(layers[2]).unused_bytes == store.stats.layer(layers[2]).bytes_read > 0
         assert sorted(k for k in store.cached_keys() if k[0] == layers[1]) == [(layers[1], 0), (layers[1], 3)]
         store.close()
+
+
+def _flip_byte(container: Path, layer: int, expert: int) -> None:
+    with open_container(container, verify=False) as c:
+        offset = c.expert_span(layer, expert)[0] + 40
+    with open(container / "experts.bin", "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x04]))
+
+
+def test_a_damaged_blob_read_ahead_fails_the_step_only_when_used(tmp_path: Path, q4: Path) -> None:
+    """A blob read ahead is checked like any other: used, its CRC mismatch stops the prefill;
+    read ahead but never asked for, it is dropped and nothing fails."""
+    copy = tmp_path / "c.waste"
+    shutil.copytree(q4, copy)
+    with open_container(copy) as c:
+        layers = c.config.moe_layers
+        blob = int(c.expert_span(layers[0], 0)[1])
+    _flip_byte(copy, layers[1], 5)
+    with open_container(copy) as c, StreamingExpertStore(c, 99 * blob, read_threads=4) as store:
+        model = Model(c, store=store)
+        session = model.new_session(len(PROMPT))
+        with pytest.raises(ContainerError, match="experts.bin: CRC mismatch"):
+            model.prefill(session, PROMPT)
+        assert session.tokens == [] and (layers[1], 5) not in store.cached_keys()
+        assert (layers[1], 4) in store.cached_keys()
+    with open_container(copy) as c, StreamingExpertStore(c, 99 * blob, read_threads=4) as store:
+        with store.read_ahead(layers[:2]):
+            store.get(layers[0], list(range(c.config.num_experts)))
+            wait([task for _, task, _ in store._ahead.values()])  # (layers[1], 5) read and its check failed
+            store.get(layers[1], [0, 3])
+        store.verify_pending()
+        assert store.stats.layer(layers[1]).unused_bytes == (c.config.num_experts - 2) * blob
