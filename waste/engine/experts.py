@@ -26,7 +26,7 @@ state are those of a run without it; a blob read ahead and not asked for is drop
 count as read, and as `unused_bytes`).
 
 Integrity (issue 14): each blob read is checked against its CRC32C, in the reader thread right
-after the read (while the blob is in that core's cache), but off the critical path: `fetch`
+after the read, but off the critical path: `fetch`
 hands the blob out as soon as its read finishes and the check runs meanwhile. The caller waits
 for the checks with `verify_pending` before it gives out anything computed from the blobs (the
 model does at the end of every step, and before it reports any other error of the step), which
@@ -628,9 +628,10 @@ class StreamingExpertStore(ExpertStore):
     def _read_then_check(self, layer: int, expert: int, offset: int, nbytes: int,
                          times: list[tuple[float, float]], arrived: Future[np.ndarray]) -> None:
         """In a reader thread: read one blob, hand it to `arrived` (appending the times the read
-        started, its buffer included, and finished to `times`), then check its CRCs while the blob
-        is still in this core's cache (the CRC releases the GIL). A failed check is this task's
-        exception; a failed read is `arrived`'s."""
+        started, its buffer included, and finished to `times`), then check its CRCs (the CRC
+        releases the GIL). A 436 KiB `mini` blob checked at 14-16 GB/s right after its O_DIRECT
+        read; read in 256 KiB pieces, each checked right after its read, 12-14 GB/s (shared
+        machine). A failed check is this task's exception; a failed read is `arrived`'s."""
         start = time.perf_counter()
         try:
             buf = self._read(offset, nbytes)
