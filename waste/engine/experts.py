@@ -26,8 +26,8 @@ state are those of a run without it; a blob read ahead and not asked for is drop
 count as read, and as `unused_bytes`).
 
 Integrity (issue 14): each blob read is checked against its CRC32C, in the reader thread right
-after the read, but off the critical path: `fetch`
-hands the blob out as soon as its read finishes and the check runs meanwhile. The caller waits
+after the read, but off the critical path: `fetch` hands the blob out as soon as its read
+finishes and the check runs meanwhile. The caller waits
 for the checks with `verify_pending` before it gives out anything computed from the blobs (the
 model does at the end of every step, and before it reports any other error of the step), which
 raises the ContainerError of a blob that failed and drops that blob from the cache. A cached
