@@ -15,9 +15,12 @@ import pytest
 from conftest import assert_close
 
 from waste.config import ModelConfig, load_preset, parse_config, preset_dict
-from waste.engine.kda_layer import KDALayer, KDAState
+from waste.engine.kda_layer import KDALayer, KDAState, _sigmoid
 from waste.errors import WasteError
+from waste.kernels.kda import gated_rmsnorm, kda_gate_lower_bound, kda_gate_softplus
+from waste.kernels.kda_decode import kda_decode_step_deferred
 from waste.kernels.quant import quantize
+from waste.kernels.short_conv import short_conv_silu_step
 from waste.reference.kda import naive_kda_layer
 
 RTOL = 1e-5
@@ -130,6 +133,11 @@ def test_layer_rejects_bad_weights_and_state() -> None:
     wrong = KDAState.zeros(1, 2, (3, 3, 64))
     with pytest.raises(WasteError):
         layer.decode(np.zeros(cfg.hidden_size, np.float32), wrong)
+    for field in ("pending_k", "pending_d", "conv"):
+        state = layer.new_state()
+        setattr(state, field, np.asfortranarray(getattr(state, field)[..., :-1]))
+        with pytest.raises(WasteError, match="does not fit"):
+            layer.decode(np.zeros(cfg.hidden_size, np.float32), state)
 
 
 def test_reading_the_state_mid_decode_changes_no_bits() -> None:
@@ -183,3 +191,42 @@ def test_batched_decode_products_equal_one_by_one(fmts: tuple[str, ...], full_ra
 def test_f32_layer_decodes_one_product_at_a_time() -> None:
     cfg = load_preset("tiny")
     assert _layer(cfg, _weights(cfg, np.random.default_rng(3)))._decode_batches is None
+
+
+def _decode_through_wrappers(layer: KDALayer, x: np.ndarray, state: KDAState) -> np.ndarray:
+    """The decode step as the public, checked kernels compose it, one product at a time."""
+    H, K = layer.H, layer.K
+    qkv = np.stack([m.matvec(x) for m in layer.qkv])
+    q, k, v = short_conv_silu_step(qkv, layer.taps3, state.conv).reshape(3, H, K)
+    if len(layer.gate) == 2:
+        gate = layer.gate[1].matvec(layer.gate[0].matvec(x))
+    else:
+        gate = layer.gate[0].matvec(x)
+    z = layer.f_b.matvec(layer.f_a.matvec(x))[None, :]
+    if layer.lower_bound is None:
+        g = kda_gate_softplus(z, layer.a_log, layer.dt_bias, num_heads=H)[0]
+    else:
+        g = kda_gate_lower_bound(z, layer.a_log, layer.dt_bias, layer.lower_bound, num_heads=H)[0]
+    beta = _sigmoid(layer.b_proj.matvec(x))
+    o = kda_decode_step_deferred(q, k, v, g, beta, state.base, state.pending_k, state.pending_d)
+    state.has_pending = True
+    return layer.o_proj.matvec(gated_rmsnorm(o, gate, layer.o_norm, layer.eps).reshape(H * K))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8g", "q4g"])
+@pytest.mark.parametrize("preset", ["tiny", "k3-like-tiny"])
+def test_decode_equals_the_public_kernels_composed(fmt: str, preset: str) -> None:
+    """decode calls the kernels directly, with what their wrappers derive per call derived once:
+    the bits of the wrappers composed, in the output and the whole state, token after token
+    (softplus and lower-bound gates, low- and full-rank output gates, every weight format)."""
+    cfg = _k3_like("tiny") if preset == "k3-like-tiny" else load_preset(preset)
+    rng = np.random.default_rng(59)
+    w = _weights(cfg, rng)
+    layer = KDALayer.from_weights(cfg, lambda n: quantize(w[n[len(PREFIX):]], fmt), lambda n: w[n[len(PREFIX):]],
+                                  PREFIX)
+    s1, s2 = layer.new_state(), layer.new_state()
+    for _ in range(3):
+        x = (3 * rng.standard_normal(cfg.hidden_size)).astype(np.float32)
+        np.testing.assert_array_equal(layer.decode(x, s1), _decode_through_wrappers(layer, x, s2))
+        for field in ("base", "conv", "pending_k", "pending_d"):
+            np.testing.assert_array_equal(getattr(s1, field), getattr(s2, field))

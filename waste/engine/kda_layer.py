@@ -22,15 +22,17 @@ import numpy as np
 from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.kernels.kda import (
+    _gate_kernel,
+    _gated_rmsnorm_kernel,
     a_log_per_head,
     gated_rmsnorm,
     kda_gate_lower_bound,
     kda_gate_softplus,
 )
 from waste.kernels.kda_chunk import prefill_kda
-from waste.kernels.kda_decode import apply_pending, kda_decode_step_deferred, new_state
+from waste.kernels.kda_decode import _deferred_decode_kernel, apply_pending, kda_scale, new_state
 from waste.kernels.quant import QBatch, QMatrix, batchable, matmul_pair
-from waste.kernels.short_conv import conv_taps, short_conv_silu, short_conv_silu_step
+from waste.kernels.short_conv import _conv_step_kernel, conv_taps, short_conv_silu
 
 GetMatrix = Callable[[str], QMatrix]
 GetTensor = Callable[[str], np.ndarray]
@@ -114,6 +116,11 @@ class KDALayer:
         # that read x (q, k, v, f_a, the gate's first, b), then the two of rank K (f_b, g_b).
         first, second = [*qkv, f_a, gate[0], b_proj], [f_b, *gate[1:]]
         self._decode_batches = (QBatch(first), QBatch(second)) if batchable(first) and batchable(second) else None
+        # What the decode step's kernels take, derived once (its public wrappers derive it per
+        # call, about 5 us each): exp(A_log) as the gate kernel computes it, dt_bias per head.
+        self._gate_a = np.exp(self.a_log.astype(np.float64)).astype(np.float32)  # [H]
+        self._gate_bias = self.dt_bias.reshape(self.H, self.K)  # [H, K]
+        self._scale = kda_scale(None, self.K)
         self._x_rows = np.zeros(len(first), np.int64)  # [6]: every product of the first call reads x
         self._mid_rows = np.arange(len(second), dtype=np.int64)  # f_b reads f, g_b the gate's low rank
 
@@ -171,11 +178,15 @@ class KDALayer:
         return self.gate[0].matmul(x) if len(self.gate) == 1 else self.gate[1].matmul(self.gate[0].matmul(x))
 
     def _check_state(self, state: KDAState) -> None:
-        HK = self.H * self.K
-        if (state.base.shape != (self.H, self.K, self.K) or state.conv.shape != (3, self.W - 1, HK)
-                or state.base.dtype != np.float32 or state.conv.dtype != np.float32):
+        H, K, HK = self.H, self.K, self.H * self.K
+        # The decode step's kernels index these arrays unchecked.
+        arrays = ((state.base, (H, K, K)), (state.conv, (3, self.W - 1, HK)), (state.pending_k, (H, K)),
+                  (state.pending_d, (H, K)))
+        if not all(a.shape == shape and a.dtype == np.float32 and a.flags.c_contiguous for a, shape in arrays):
             raise WasteError(f"KDA state does not fit this layer: recurrent {state.base.shape}, "
-                             f"conv {state.conv.shape}; expected {(self.H, self.K, self.K)} and {(3, self.W - 1, HK)}")
+                             f"conv {state.conv.shape}, pending {state.pending_k.shape} and {state.pending_d.shape}; "
+                             "expected contiguous "
+                             f"float32 {(H, K, K)}, {(3, self.W - 1, HK)}, {(H, K)} and {(H, K)}")
 
     def prefill(self, x: np.ndarray, state: KDAState) -> np.ndarray:
         """A chunk x [T, hidden] -> y [T, hidden]; advances `state` past the chunk."""
@@ -215,19 +226,30 @@ class KDALayer:
         return qkv, self.f_b.matvec(f), gate, self.b_proj.matvec(x)
 
     def _decode(self, x: np.ndarray, state: KDAState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One token: the kernels of short_conv_silu_step, kda_gate_*, kda_decode_step_deferred and
+        gated_rmsnorm called directly on arrays of the types those wrappers pass (so the same
+        compiled code and the same bits), their shapes fixed at load and by _check_state."""
         x = np.ascontiguousarray(x, np.float32).reshape(-1)
         if x.shape[0] != self.o_proj.shape[0]:
             raise WasteError(f"KDA decode input must have {self.o_proj.shape[0]} values, got {x.shape[0]}")
         self._check_state(state)
         H, K = self.H, self.K
         qkv, fb, gate, b = self._decode_products(x)
-        q, k, v = short_conv_silu_step(qkv, self.taps3, state.conv).reshape(3, H, K)
-        g = self._decay(fb[None, :])[0]
+        qkv = np.ascontiguousarray(qkv)
+        conv = np.empty_like(qkv)  # [3, H*K]
+        _conv_step_kernel(qkv, self.taps3, state.conv, conv)
+        q, k, v = conv.reshape(3, H, K)
+        g = np.empty((1, H, K), np.float32)
+        lower_bound = 0.0 if self.lower_bound is None else float(self.lower_bound)
+        _gate_kernel(np.ascontiguousarray(fb).reshape(1, H, K), self._gate_a, self._gate_bias, lower_bound, g)
+        g = g[0]
         beta = _sigmoid(b)
-        o = kda_decode_step_deferred(q, k, v, g, beta, state.base, state.pending_k, state.pending_d)
+        o = np.empty((H, K), np.float32)
+        _deferred_decode_kernel(q, k, v, g, beta, self._scale, True, state.base, state.pending_k, state.pending_d, o)
         state.has_pending = True
-        o = gated_rmsnorm(o, gate, self.o_norm, self.eps)
-        return self.o_proj.matvec(o.reshape(H * K)), g, beta
+        normed = np.empty_like(o)
+        _gated_rmsnorm_kernel(o, np.ascontiguousarray(gate).reshape(H, K), self.o_norm, self.eps, normed)
+        return self.o_proj.matvec(normed.reshape(H * K)), g, beta
 
     def decode(self, x: np.ndarray, state: KDAState) -> np.ndarray:
         """One token x [hidden] -> y [hidden]; advances `state` by one token."""
