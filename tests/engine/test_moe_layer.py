@@ -209,21 +209,22 @@ ACTIVATION_CONFIGS = [{}, {"hidden_act": "situ", "activation_situ_beta": 4.0, "a
                       {"hidden_act": "situ", "activation_situ_beta": 2.0}]
 
 
-@pytest.mark.parametrize("shared", ["f32", "same", "wider"])
+@pytest.mark.parametrize("shared", ["f32", "same", "wider", "q8g"])
 @pytest.mark.parametrize("act", range(len(ACTIVATION_CONFIGS)))
 @pytest.mark.parametrize("fmt", ["q8g", "q4g", "mxfp4"])
 def test_decode_of_q_experts_equals_one_expert_at_a_time(fmt: str, act: int, shared: str) -> None:
     """One token's routed experts run together (hits at once, misses as they arrive) give the
     bits of the sum of each expert's own MLP, added in id order, plus the shared experts' (the
-    path before batching). Shared experts in float32, or in the routed format and shape (they
-    join the batch), or twice as wide (they run alone)."""
+    path before batching). Shared experts in float32, or in the routed format and shape, or in
+    q8g beside q4g or mxfp4 routed experts (they join the batch), or twice as wide (they run
+    alone)."""
     cfg = _config(num_experts_per_token=5, num_shared_experts=2 if shared == "wider" else 1,
                   **ACTIVATION_CONFIGS[act])
     rng = np.random.default_rng(19 + act)
     layer, _, store = _build(cfg, rng)
     experts = {key: tuple(quantize(m.dequantize(), fmt) for m in e) for key, e in store.experts.items()}
     if shared != "f32":
-        layer.shared = tuple(quantize(m.dequantize(), fmt) for m in layer.shared)
+        layer.shared = tuple(quantize(m.dequantize(), "q8g" if shared == "q8g" else fmt) for m in layer.shared)
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
     ids, weights = layer.route(x)
     want = np.zeros_like(x)

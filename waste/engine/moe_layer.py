@@ -223,9 +223,13 @@ class MoELayer:
 
         def run(batch: list[tuple[int, Expert]]) -> None:
             together = gated_experts_one_token(z, [expert for _, expert in batch], self.situ_params)
-            for j, (i, expert) in enumerate(batch):
-                outs[i] = together[j] if together is not None else self.mlp(z, *expert)[0]
-                computed[i] = True
+            rows = [i for i, _ in batch]
+            if together is not None:
+                outs[rows] = together
+            else:
+                for i, expert in batch:
+                    outs[i] = self.mlp(z, *expert)[0]
+            computed[rows] = True
 
         first = list(islice(arrivals, ready))
         if shared is None:
@@ -240,9 +244,9 @@ class MoELayer:
             run([arrival])
         if not computed.all():
             raise WasteError(f"expert store returned {int(computed[:U].sum())} experts for {U} requested ids")
-        rank = {e: r for r, e in enumerate(ids[0].tolist())}
         y = np.zeros_like(z)
-        add_weighted(y[0], outs[:U], weights[0, [rank[e] for e in unique.tolist()]])
+        # unique is ids[0] sorted: the weights in id order
+        add_weighted(y[0], outs[:U], weights[0, np.argsort(ids[0])])
         if shared is not None:
             y += outs[U]
         return y
