@@ -370,11 +370,10 @@ def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int
         np.testing.assert_array_equal(Y[m, :w.shape[0]], qk.QBatch([w])(X, rows[m:m + 1])[0, :w.shape[0]])
     batch = qk.QBatch(ms)
     Y_nan = np.full((M, 1, batch.width), np.nan, np.float32)
-    qk._q_products(X, rows.astype(np.int64), batch.addresses, batch.tscales, batch.blocks, batch.formats,
-                   *batch.likes, Y_nan)
+    qk._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan)
     for m, w in enumerate(ms):
         np.testing.assert_array_equal(Y_nan[m, 0, :w.shape[0]], Y[m, :w.shape[0]])
-        assert np.isfinite(Y_nan[m, 0, :batch.blocks[m] * 16]).all()
+        assert np.isfinite(Y_nan[m, 0, :batch.table[m, 2] * 16]).all()
 
 
 def test_q_products_refuse_other_matrices_and_bad_inputs() -> None:
