@@ -20,12 +20,13 @@ experts.bin in the page cache or the expert cache), then `--new` greedy decode s
 steady-state decode speed is over the steps after the first `--warm` (their cache is warm);
 then a second prompt of `--warm-prompt-len` other random ids in a new session, timed as the
 "warm" prefill: the expert cache (or page cache) holds what the first prompt and the decode
-left in it (0 skips it). Reported: tokens/s, peak RSS against the planner's figure, cache budget, hit
-rate and expert GB read per decoded token, next to the planner's decode bound at the hit
-rate measured and what `waste plan` predicts (`predict_run`, the same code: uniform routing,
-at the RAM and runtime the run planned with), its cold prefill bound (expert bytes over the
-disk's speed, compute left out), with the NVMe bandwidth (a sequential O_DIRECT
-read of experts.bin) and RAM bandwidth (a copy) measured in the same run.
+left in it (0 skips it). Reported: tokens/s, peak RSS against the planner's figure, cache
+budget (and `read_ahead_peak`, the most the cache, the reads under way and the prefill's reads
+ahead held at once), hit rate and expert GB read per decoded token, next to the planner's
+decode bound at the hit rate measured and what `waste plan` predicts (`predict_run`, the same
+code: uniform routing, at the RAM and runtime the run planned with), its cold prefill bound
+(expert bytes over the disk's speed, compute left out), with the NVMe bandwidth (a sequential
+O_DIRECT read of experts.bin) and RAM bandwidth (a copy) measured in the same run.
 Other engineers may share the cores: the load average is recorded before and after.
 
     python bench/scale.py [--dir D] [--preset kimi-linear-48b-a3b] [--prompt-len 512] [--new 64]
@@ -134,6 +135,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             "io_note": getattr(store, "io_note", ""),
             "cache_dropped": dropped, "memory_plan": memory.as_dict(),
             "cache_budget": getattr(store, "budget_bytes", None),
+            "read_ahead_peak": getattr(store, "read_ahead_peak", None),
             "prefill_s": prefill_s, "prefill_tps": args.prompt_len / prefill_s, "prefill_stats": prefill,
             "prefill_expert_bytes_vs_model": prefill["bytes_read"] / c.byte_counts()["expert_bytes"],
             "decode_step_s": step_s, "decode_tps_all": len(step_s) / sum(step_s),
