@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import waste.analysis.machine as machine
-from waste.analysis.budget import decode_speed_bound, predict_run, trace_hit_rate
+from waste.analysis.budget import decode_speed_bound, predict_run, prefill_speed_bound, trace_hit_rate
 from waste.analysis.cache_sim import simulate
 from waste.analysis.machine import Bandwidth, Bandwidths, bandwidths
 from waste.cli import main
@@ -42,11 +42,18 @@ def test_cli_prediction_is_predict_run(q4: Path, tmp_path: Path, monkeypatch: py
     expected = predict_run(make_plan(str(q4), ram="8G"), 8 << 30, RATES, runtime=mp["runtime"])
     assert run["planned_peak_rss"] == expected.memory.planned_peak == mp["planned_peak"]
     assert run["hit_rate"] == 1.0 and run["decode_bound_tps"] == pytest.approx(expected.bound.tokens_per_second)
+    # The prompt is the context less the generated tokens; every expert fits, so it reads each once.
+    plan = make_plan(str(q4), ram="8G")
+    assert run["prompt_tokens"] == expected.prefill.prompt_tokens == plan.context - expected.decode_tokens > 0
+    cold = prefill_speed_bound(plan, run["prompt_tokens"], 2.0, 10.0, experts_fit=True)
+    assert run["prefill_bound_tps"] == pytest.approx(cold.tokens_per_second)
+    assert run["prefill_disk_bytes"] == cold.nvme_bytes
     assert run["disk_source"] == "given (--disk-gbps)" and run["mem_source"] == "given (--mem-gbps)"
     assert not (tmp_path / "machine.json").exists()  # nothing measured, nothing cached
     assert main(["plan", str(q4), "--ram", "8G", "--disk-gbps", "2", "--mem-gbps", "10"]) == 0
     text = capsys.readouterr().out
     assert "waste run with 8 GiB available" in text and "planned peak RSS" in text and "decode bound" in text
+    assert f"prefill of the {run['prompt_tokens']} prompt tokens from a cold cache" in text
     assert main(["plan", "tiny", "--ram", "8G", "--json"]) == 0  # a preset: the model's figures, no run
     assert "run" not in json.loads(capsys.readouterr().out)
 
