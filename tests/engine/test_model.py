@@ -178,3 +178,27 @@ def test_clear_margin_scales_with_the_tolerance():
     tol = 0.99 * (logits[1, 0] - 0.1) / (threshold * rms[1])  # row 1 just clear
     np.testing.assert_array_equal(clear_margin(logits, tol), [True, True, False])
     np.testing.assert_array_equal(clear_margin(logits, tol * 1.02), [True, False, False])
+
+
+@pytest.mark.parametrize("quant", ["f32", "q4"])
+def test_logits_do_not_depend_on_the_thread_count(tmp_path, quant):
+    """Prefill and decode give the same bits on 1 and 2 Numba threads: no kernel splits a sum by
+    the thread count (MLA decode once did, and decoded logits differed by about 3e-6)."""
+    import numba
+
+    path = tiny_container(tmp_path / quant, quant=quant)
+    runs = []
+    before = numba.get_num_threads()
+    try:
+        with open_container(path) as c:
+            model = Model(c)
+            prompt = _prompt(40, c.config.vocab_size, seed=5)
+            for threads in (1, 2):
+                numba.set_num_threads(threads)
+                session = model.new_session()
+                logits = [model.prefill(session, prompt, chunk=16)]
+                logits += [model.decode(session, t)[None] for t in (3, 9, 27)]
+                runs.append(np.concatenate(logits))
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(runs[0], runs[1])

@@ -182,3 +182,24 @@ def test_heads_dot_matches_float64_and_ignores_row_count() -> None:
     np.testing.assert_array_equal(heads_dot(x[4:6], w), y[4:6])
     with pytest.raises(WasteError):
         heads_dot(x, w[:, :, :19])
+
+
+@pytest.mark.parametrize("n", [5, 300, 2100])
+def test_decode_does_not_depend_on_the_thread_count(n: int) -> None:
+    """The token ranges decode sums separately follow the context, not the threads: the same bits
+    on 1 and 2 threads, over contexts of one, two and all of its ranges."""
+    import numba
+
+    rng = np.random.default_rng(40 + n)
+    latent, _, w_uk, _ = _problem(rng, n, n)
+    q_abs = _absorb(rng.standard_normal((1, H, NOPE + ROPE)).astype(np.float32), w_uk)[0]
+    before = numba.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            numba.set_num_threads(threads)
+            outs.append(mla_decode(q_abs, latent, n, 0.3, R))
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])

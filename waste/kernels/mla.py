@@ -44,12 +44,17 @@ from __future__ import annotations
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import kernel, num_threads, parallel_kernel, prange
+from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels.fastmath import fexp
 
 # Cached rows per block in the decode kernel (16 rows x 576 values = 36 KiB); measured best of
 # 1..64 at H=32, 4096 tokens on the 2-core dev machine.
 DECODE_BLOCK = 16
+# Decode sums the weighted latents in token ranges reduced afterwards. Their number follows the
+# context only (one range per DECODE_RANGE tokens, at most DECODE_RANGES), never the thread
+# count: a split by threads gave different logits at 1 and 2 threads.
+DECODE_RANGE = 256
+DECODE_RANGES = 8
 # Prefill: cached tokens expanded per head at once (from multiples of KEY_BLOCK in absolute
 # position; their keys and values, 80 KiB at the Kimi shape, stay in L2 while every query of
 # the call attends to them), value rows summed at once, and queries that share each load.
@@ -434,7 +439,7 @@ def mla_decode(
         probs = np.empty((H, length), np.float32)
     if out.shape != (H, kv_rank) or probs.shape != (H, length):
         raise WasteError(f"MLA decode buffers must be [H, R] = {(H, kv_rank)} and [H, n] = {(H, length)}")
-    nchunks = max(1, min(num_threads(), length))
+    nchunks = min(DECODE_RANGES, -(-length // DECODE_RANGE))
     _decode(q_abs, latent, length, np.float32(scale), kv_rank, nchunks, DECODE_BLOCK, probs, out)
     return out, probs
 
