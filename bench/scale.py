@@ -246,7 +246,7 @@ def main() -> int:
         ratio = results[0]["decode_tps_steady"] / results[1]["decode_tps_steady"]
         print(f"streaming / mmap decode: {ratio:.2f}x")
     load_after = list(os.getloadavg())
-    print(f"load average before {load_before}, after {load_after} (2 cores shared with other engineers)")
+    print(f"load average before {load_before}, after {load_after}")
     out = args.out or common.RESULTS_DIR / f"scale-{args.preset}-{args.quant}.json"
     common.write_json(out, {
         "benchmark": "scale", "preset": args.preset, "scheme": args.quant, "container": str(path),
