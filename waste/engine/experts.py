@@ -45,104 +45,27 @@ from __future__ import annotations
 
 import errno
 import heapq
-import mmap
 import os
-import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from waste.container.format import EXPERTS
+from waste.engine.expert_stats import ExpertStats
+from waste.engine.read_buffers import SPARE_BUFFERS, SpareBuffers
 from waste.errors import WasteError
 from waste.kernels.quant import QMatrix
-from waste.units import human_bytes
 
 Expert = tuple[QMatrix, QMatrix, QMatrix]  # (w1 gate, w3 up, w2 down)
 POLICIES = ("lru", "lfu")
-
-
-@dataclass
-class LayerStats:
-    """Counters of one layer (or the total). `requests` counts expert lookups: one per id
-    asked for, so requests = hits + misses; `calls` counts `get` calls. `read_seconds` is
-    the wall time from the start of the layer's first read to the end of its last (a read
-    issued ahead starts when a reader thread takes it up)."""
-
-    calls: int = 0
-    requests: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    unused_bytes: int = 0  # read ahead, never asked for (included in bytes_read)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.requests if self.requests else float("nan")
-
-    @property
-    def gbps(self) -> float:
-        """Achieved read bandwidth, 1e9 bytes per second of wall time spent reading."""
-        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else float("nan")
-
-    def add(self, other: LayerStats) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def as_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in ("hit_rate", "gbps"):
-            v = getattr(self, name)
-            d[name] = None if np.isnan(v) else v
-        return d
-
-
-class ExpertStats:
-    """Per-layer and total counters of an expert store."""
-
-    def __init__(self) -> None:
-        self.layers: dict[int, LayerStats] = {}
-
-    def layer(self, layer: int) -> LayerStats:
-        """The counters of one layer, created on first use."""
-        return self.layers.setdefault(layer, LayerStats())
-
-    @property
-    def total(self) -> LayerStats:
-        t = LayerStats()
-        for s in self.layers.values():
-            t.add(s)
-        return t
-
-    def reset(self) -> None:
-        self.layers.clear()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "layers": {str(k): v.as_dict() for k, v in sorted(self.layers.items())},
-            "total": self.total.as_dict(),
-        }
-
-    def format_table(self) -> str:
-        """A fixed-width table: one row per layer, then the total."""
-        cols = ("layer", 6), ("lookups", 9), ("hits", 9), ("misses", 9), ("hit %", 7), ("read", 11), ("read s", 9)
-        rows = [" ".join(f"{name:>{width}}" for name, width in cols) + f" {'GB/s':>7}"]
-        for name, s in [*((str(k), v) for k, v in sorted(self.layers.items())), ("total", self.total)]:
-            hit = "-" if np.isnan(s.hit_rate) else f"{100 * s.hit_rate:.1f}"
-            gbps = "-" if np.isnan(s.gbps) else f"{s.gbps:.2f}"
-            rows.append(
-                f"{name:>6} {s.requests:>9} {s.hits:>9} {s.misses:>9} {hit:>7} {human_bytes(s.bytes_read):>11} "
-                f"{s.read_seconds:>9.3f} {gbps:>7}"
-            )
-        return "\n".join(rows)
 
 
 class Arrivals(Iterator[tuple[int, Expert]]):
@@ -375,7 +298,7 @@ class StreamingExpertStore(ExpertStore):
         self.io_note = ""
         self._path = container.experts_path
         self._verify = bool(container.verify_data)
-        self._spare = _SpareBuffers(SPARE_BUFFERS)
+        self._spare = SpareBuffers(SPARE_BUFFERS)
         self._cache = _ExpertCache(self.budget_bytes, policy, self._spare.give)
         self._lock = threading.Lock()
         # (layer, expert, its entry, its check) of blobs handed out whose checks nobody waited for yet
@@ -697,70 +620,6 @@ def open_expert_store(
     if budget_bytes is None:
         return MmapExpertStore(container)
     return StreamingExpertStore(container, budget_bytes, policy, read_threads, direct_io)
-
-
-# Pages of the map faulted in by the mmap call itself rather than one by one by the read: on
-# this 2-core VM a fresh 4 MB blob buffer cost 8 ms of page faults, 2.8 ms populated (a 4 MB
-# read takes about 4 ms), CPU time the reader threads take from the kernels.
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-# Spare read buffers kept for reuse: a decode step misses a few experts per layer, and evicts as
-# many. At most this many wait, fewer than the routed experts of one layer that the memory plan
-# counts as working memory (`waste.engine.memory`), so they fit in the plan.
-SPARE_BUFFERS = 16
-
-
-class _SpareBuffers:
-    """Evicted read buffers, reused for reads of the same size once unreferenced.
-
-    A fresh 4 MB buffer costs 2.8 ms of CPU to fault in even populated (see _POPULATE), most of
-    what its read takes, and the reader threads take that CPU from the kernels. A buffer is reused
-    only when nothing but this pool refers to its memory: every array over it (the cache entry's,
-    the expert views handed out, their views) holds a reference to the map through the array
-    `frombuffer` made, so the map's reference count tells. Buffers still referenced wait; past
-    `limit` the oldest is dropped (freed when its last user lets go).
-    """
-
-    # References to a free map while `take` looks at it: the deque's, the loop variable's and
-    # sys.getrefcount's own argument.
-    FREE_REFS = 3
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.reused = 0
-        self._maps: deque[mmap.mmap] = deque()
-        self._lock = threading.Lock()
-
-    def give(self, buf: np.ndarray) -> None:
-        base = buf.base
-        if not isinstance(base, memoryview) or not isinstance(base.obj, mmap.mmap):
-            return
-        with self._lock:
-            self._maps.append(base.obj)
-            if len(self._maps) > self.limit:
-                self._maps.popleft()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A page-aligned [nbytes] uint8 buffer: a spare one nobody refers to, else a new one."""
-        with self._lock:
-            for i in range(len(self._maps)):
-                m = self._maps[i]
-                if len(m) == nbytes and sys.getrefcount(m) <= self.FREE_REFS:
-                    del self._maps[i]
-                    self.reused += 1
-                    return np.frombuffer(m, dtype=np.uint8)
-        return _aligned_buffer(nbytes)
-
-
-def _aligned_buffer(nbytes: int) -> np.ndarray:
-    """A writable [nbytes] uint8 buffer starting on a page boundary (O_DIRECT needs the
-    address aligned); an anonymous map is page-aligned and wastes nothing when the blob
-    size is a multiple of the page size, as container blobs are."""
-    if nbytes <= 0:
-        raise WasteError(f"expert blob size must be positive, got {nbytes}")
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _POPULATE
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
 def _os_pread_copy(fd: int, buffers: list[memoryview], offset: int) -> int:
