@@ -38,7 +38,7 @@ the caller, before the blob is handed out.
 The cache charges each entry its blob's size in experts.bin (padding included), which is
 the size of the buffer the decoded views live in; the charge never exceeds the budget.
 Experts handed out stay valid after eviction: they hold their own buffer. An evicted entry's
-buffer is read into again (`_SpareBuffers`) only once nothing refers to it any more.
+buffer is read into again (`waste.engine.read_buffers.SpareBuffers`) only once nothing refers to it any more.
 """
 
 from __future__ import annotations
