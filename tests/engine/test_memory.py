@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +50,26 @@ def test_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 0 < available_memory() < 1 << 50
     monkeypatch.setenv("WASTE_RAM", "lots")
     assert main(["run", "nowhere.waste", "--prompt-ids", "1"]) == 2
+
+
+def test_available_memory_counts_mapped_file_pages_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A mapped file's resident pages are page cache, which MemAvailable already counts: only the
+    process's anonymous memory is added to it (adding all of its RSS once planned a 48B run past
+    the machine's RAM)."""
+    from waste.engine import memory
+
+    monkeypatch.delenv("WASTE_RAM", raising=False)
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: 0)
+    monkeypatch.setattr(memory, "_cgroup_room", lambda: None)
+    size = 64 << 20
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(b"\1" * size)
+    mapped = np.memmap(path, np.uint8, "r")
+    assert int(mapped[:: 4096].sum()) == size // 4096  # every page touched: resident and in RSS
+    assert memory.current_rss() - memory.anonymous_rss() >= size
+    assert memory.available_memory() == pytest.approx(memory.anonymous_rss(), abs=16 << 20)
+    assert memory.available_memory() <= memory.current_rss() - size + (16 << 20)
+    del mapped
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

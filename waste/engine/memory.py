@@ -4,7 +4,8 @@
 (`measure_runtime`: two prompt tokens and one decoded token through a store that caches
 nothing, so every kernel is loaded or compiled), before it picks the expert store:
 
-    budget = available RAM (MemAvailable, or the cgroup's limit when lower) - headroom
+    budget = available RAM (MemAvailable plus the process's anonymous memory, or the cgroup's limit
+             when lower) - headroom
     resident = runtime: what the process then holds besides the terms below, measured (its
                RSS less the container's mapped pages and the MLA weights): the interpreter,
                NumPy, Numba and LLVM, the compiled kernels, thread stacks
@@ -64,15 +65,18 @@ def _cgroup_room() -> int | None:
 
 
 def available_memory() -> int:
-    """Bytes this process may grow to: MemAvailable plus what it holds now, or its cgroup's
-    room when that is lower. (`WASTE_RAM` overrides it, e.g. 8G, for tests and benchmarks.)"""
+    """Bytes this process may grow to: MemAvailable plus its own anonymous memory, or its
+    cgroup's room when that is lower. (`WASTE_RAM` overrides it, e.g. 8G, for tests and
+    benchmarks.) Only anonymous memory is added: the file pages the process maps (the
+    container's trunk) sit in the page cache, which MemAvailable already counts, and adding
+    them twice once planned a 48B run past the machine's physical RAM."""
     from waste.units import parse_size
 
     forced = os.environ.get("WASTE_RAM")
     if forced:
         return parse_size(forced, "WASTE_RAM")
     meminfo, cgroup = _meminfo_available(), _cgroup_room()
-    found = ([] if meminfo is None else [meminfo + current_rss()]) + ([] if cgroup is None else [cgroup])
+    found = ([] if meminfo is None else [meminfo + anonymous_rss()]) + ([] if cgroup is None else [cgroup])
     if not found:
         raise WasteError("cannot tell how much memory is available (no /proc/meminfo); give --expert-cache")
     return min(found)
@@ -105,6 +109,18 @@ def current_rss() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return peak_rss()
+
+
+def anonymous_rss() -> int:
+    """Resident anonymous bytes of this process now (RssAnon: its heap, arrays and stacks, not
+    the file pages it maps)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return current_rss()
 
 
 def peak_rss() -> int:
