@@ -1,6 +1,7 @@
-"""Read-ahead of the next MoE layer's experts during a long prefill pass: the same logits, hits,
-misses and final cache as without it, reads never beyond the model's expert bytes, the cache
-budget never exceeded by what is read ahead, and unused reads dropped and counted."""
+"""Read-ahead of the next MoE layer's experts during a long prefill pass, and of the guessed experts
+of the next MoE layers during decode: the same logits, hits, misses and final cache as without
+them, reads never beyond the model's expert bytes, the memory they take bounded, and unused reads
+dropped and counted."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 
 from waste.container.format import ContainerError
 from waste.container.reader import open_container
-from waste.engine.experts import MmapExpertStore, StreamingExpertStore
+from waste.engine.experts import GUESS_LAYERS, MmapExpertStore, StreamingExpertStore
 from waste.engine.model import Model
+from waste.errors import WasteError
 from waste.testing import tiny_container
 
 # 100 tokens x 2 of 8 experts: 25 picks per expert, so a prefill pass reads ahead.
@@ -31,6 +33,7 @@ def _run(c, store, read_ahead: bool) -> dict:
     """Prefill PROMPT, decode DECODE greedy tokens: every logits row, the counters and the cache."""
     model = Model(c, store=store)
     model.read_ahead = read_ahead
+    model.guess_experts = False  # the decode's guesses (tested below) read wrong guesses by timing
     session = model.new_session(len(PROMPT) + DECODE)
     rows = [model.prefill(session, PROMPT, chunk=16)]
     prefill = store.stats.total.as_dict()
@@ -135,3 +138,86 @@ def test_a_damaged_blob_read_ahead_fails_the_step_only_when_used(tmp_path: Path,
             store.get(layers[1], [0, 3])
         store.verify_pending()
         assert store.stats.layer(layers[1]).unused_bytes == (c.config.num_experts - 2) * blob
+
+
+GUESS_STEPS = 10
+
+
+def _decode_run(c, budget: int, guess: bool) -> dict:
+    """A 3-token prompt (too short to read ahead), then GUESS_STEPS greedy decode steps, guessing
+    or not: every logits row, the counters, the cache, and the most bytes the cache, the reads
+    under way and those ahead held beyond the budget just after a guess was issued."""
+    store = StreamingExpertStore(c, budget, read_threads=4)
+    model = Model(c, store=store)
+    model.guess_experts = guess
+    beyond = [0]
+    issue = store._issue_ahead
+
+    def recording(layer, ids, extra):  # type: ignore[no-untyped-def]
+        issued = issue(layer, ids, extra)
+        beyond.append(store._cache.held + store._missing_bytes + store._ahead_bytes - budget)
+        return issued
+
+    store._issue_ahead = recording  # type: ignore[method-assign]
+    session = model.new_session(3 + GUESS_STEPS)
+    rows = [model.prefill(session, PROMPT[:3])[-1]]
+    for _ in range(GUESS_STEPS):
+        rows.append(model.decode(session, int(np.argmax(rows[-1]))))
+    out = {"logits": np.stack(rows), "total": store.stats.total.as_dict(), "cached": store.cached_keys(),
+           "beyond": max(beyond)}
+    store.close()
+    return out
+
+
+@pytest.mark.parametrize("layers_cached", [0, 1.5, 99])
+def test_decode_guesses_change_nothing_but_when_reads_happen(q4, layers_cached) -> None:
+    """Decode guessing the next MoE layers' experts: logits bit for bit, hits, misses and the cache's
+    final entries as without guesses; some misses were read before their layer asked (with a
+    cache too small to hold everything); bytes read are those of the misses plus the wrong
+    guesses; and what is held beyond the budget stays within GUESS_LAYERS + 1 layers' picks."""
+    with open_container(q4) as c:
+        blob = int(c.expert_span(c.config.moe_layers[0], 0)[1])
+        budget = int(layers_cached * c.config.num_experts * blob)
+        k = c.config.num_experts_per_token
+        guessed = _decode_run(c, budget, True)
+        plain = _decode_run(c, budget, False)
+    np.testing.assert_array_equal(guessed["logits"], plain["logits"])
+    for key in ("hits", "misses", "requests", "calls"):
+        assert guessed["total"][key] == plain["total"][key], key
+    assert guessed["cached"] == plain["cached"]
+    assert plain["total"]["ahead_used"] == 0 and plain["total"]["unused_bytes"] == 0
+    assert guessed["total"]["bytes_read"] == plain["total"]["bytes_read"] + guessed["total"]["unused_bytes"]
+    assert guessed["beyond"] <= (GUESS_LAYERS + 1) * k * blob
+    if layers_cached < 99:
+        assert guessed["total"]["ahead_used"] > 0
+
+
+def test_a_guess_is_read_ahead_used_when_asked_for_and_dropped_when_wrong(q4) -> None:
+    """A guessed expert is read before its layer asks and handed out without a read of its own
+    (a miss, counted in `ahead_used`); a wrong guess is dropped when the layer asks, its bytes read
+    and unused. Bad ids and a closed store are refused; the memory map ignores guesses."""
+    with open_container(q4) as c:
+        layer = c.config.moe_layers[1]
+        blob = int(c.expert_span(layer, 0)[1])
+        store = StreamingExpertStore(c, 0, read_threads=4)
+        issued = []
+        read = store._read
+        store._read = lambda offset, nbytes: issued.append(offset) or read(offset, nbytes)  # type: ignore[method-assign]
+        store.guess(layer, [1, 4])
+        wait([task for _, task, _ in store._ahead.values()])
+        assert len(issued) == 2
+        store.get(layer, [1, 5])
+        assert len(issued) == 3  # expert 1 came from its guess, 5 was read when asked for
+        st = store.stats.layer(layer)
+        assert (st.misses, st.ahead_used, st.unused_bytes, st.bytes_read) == (2, 1, blob, 3 * blob)
+        assert store._ahead == {} and store._ahead_bytes == 0
+        with pytest.raises(WasteError, match="outside"):
+            store.guess(layer, [c.config.num_experts])
+        with pytest.raises(WasteError, match="not a MoE layer"):
+            store.guess(0, [1])
+        store.close()
+        with pytest.raises(WasteError, match="closed"):
+            store.guess(layer, [1])
+        mapped = MmapExpertStore(c)
+        mapped.guess(layer, [1, 4])
+        assert mapped.stats.total.bytes_read == 0

@@ -25,6 +25,7 @@ class LayerStats:
     bytes_read: int = 0
     read_seconds: float = 0.0
     unused_bytes: int = 0  # read ahead, never asked for (included in bytes_read)
+    ahead_used: int = 0  # misses whose read was issued ahead (a prefill's read-ahead or a decode guess)
 
     @property
     def hit_rate(self) -> float:

@@ -11,6 +11,8 @@ Everything else (routing, the expert store, dedup per chunk, the MLP activation)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from waste.config import ModelConfig
@@ -53,10 +55,11 @@ class LatentMoELayer(MoELayer):
         return cls(cfg, layer_index, *router_and_shared(cfg, get_matrix, get_tensor, prefix), *projections, norm,
                    router_weights)
 
-    def forward(self, x: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
-        """x [T, hidden] -> (y [T, hidden], RoutingInfo)."""
+    def forward(self, x: np.ndarray, store: ExpertSource,
+                then: Callable[[], None] | None = None) -> tuple[np.ndarray, RoutingInfo]:
+        """x [T, hidden] -> (y [T, hidden], RoutingInfo); `then` as in `MoELayer.routed`."""
         x = self._check_input(x)
-        y, info = self.routed(x, self.down_proj.matmul(x), store)
+        y, info = self.routed(x, self.down_proj.matmul(x), store, then=then)
         if self.norm is not None:
             y = rms_norm(y, self.norm, self.eps)
         y = self.up_proj.matmul(y)

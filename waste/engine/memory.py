@@ -13,7 +13,8 @@ nothing, so every kernel is loaded or compiled), before it picks the expert stor
              + MLA absorbed weights (kv_b_proj widened to float32 at load)
              + session state at the run's context (KDA states, conv rings, MLA latents)
              + working buffers (one prefill pass's activations, the routed experts one
-               layer of that pass holds at once, the logits rows of one chunk)
+               layer of that pass holds at once, or a decode step's misses and guesses if
+               more, the logits rows of one chunk)
     expert cache = budget - resident
 
 When every routed expert fits in the cache the container's memory map serves them (the
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from waste.config import ModelConfig
+from waste.engine.experts import GUESS_LAYERS
 from waste.errors import NonFiniteError, WasteError
 from waste.plan import WeightBytes, container_weight_bytes, state_bytes
 from waste.units import human_bytes
@@ -242,7 +244,11 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: 
     # the product and its copy into the output); and the logits rows the run keeps: one per
     # generated token, and every prompt row's with `all_logits` (else the last one's).
     activations = 4 * tokens * (4 * cfg.hidden_size + 2 * widest)
-    experts_held = min(cfg.num_experts, tokens * cfg.num_experts_per_token) * weights.per_expert
+    # A pass holds one MoE layer's routed experts; a decode step its own misses and the guesses of
+    # the GUESS_LAYERS MoE layers after it (`waste.engine.experts`).
+    per_layer = min(cfg.num_experts, cfg.num_experts_per_token)
+    held = max(min(cfg.num_experts, tokens * cfg.num_experts_per_token), (1 + GUESS_LAYERS) * per_layer)
+    experts_held = held * weights.per_expert
     prompt_rows = max(context - decode_tokens, 1) if all_logits else 1
     logits = 4 * cfg.vocab_size * (2 * min(chunk, tokens) + prompt_rows + decode_tokens)
     return MemoryPlan(

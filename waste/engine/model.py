@@ -18,7 +18,11 @@ FFN, so each routed expert the pass uses is fetched once per layer (one store `g
 and pass): a prompt of up to PREFILL_PASS_TOKENS tokens never reads more expert bytes than the
 model holds, whatever the cache budget. Every position's output is the same whatever the
 chunk and the pass boundaries (issue 13). Decode runs one token with the recurrent KDA step
-and MLA attention in the latent space.
+and MLA attention in the latent space. While a decode step's MoE layer computes, the store reads
+ahead the experts the next GUESS_LAYERS MoE layers are guessed to route to (`guess_experts`): each
+one's router applied to this layer's FFN input normalised by that layer's norm (the residual
+stream moves little from layer to layer). A guess changes when blobs are read, never what is
+computed.
 
 A streaming store hands out expert blobs before their CRC checks finish (`waste.engine.experts`);
 every decode step and prefill pass waits for them (`_checked_experts`) before its logits are
@@ -29,14 +33,14 @@ the ContainerError naming experts.bin, never as a NaN in some layer or as a toke
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from waste.engine.experts import ExpertStore, MmapExpertStore
+from waste.engine.experts import GUESS_LAYERS, ExpertStore, MmapExpertStore
 from waste.engine.kda_layer import KDALayer
 from waste.engine.latent_moe import LatentMoELayer
 from waste.engine.mla_layer import MLALayer
@@ -123,6 +127,7 @@ class Model:
         self.config = cfg
         self.store = store if store is not None else MmapExpertStore(container)
         self.read_ahead = True  # a long prefill pass reads the next MoE layer's experts ahead (_read_ahead)
+        self.guess_experts = True  # a decode step reads the next MoE layer's guessed experts ahead (_guess)
         self.times = LayerTimes()
         get_matrix, get_tensor = container.matrix, container.tensor
         self.embed = get_matrix("model.embed_tokens.weight")
@@ -143,6 +148,8 @@ class Model:
                 self.ffn.append(moe_cls.from_weights(cfg, get_matrix, get_tensor, p + "block_sparse_moe.", i,
                                                      router_weights=router_weights))
         self.attn_res = AttnResWeights.from_weights(cfg, get_tensor) if cfg.attn_res_block_size else None
+        moe = [i for i, ffn in enumerate(self.ffn) if isinstance(ffn, MoELayer)]
+        self._next_moe = dict(zip(moe, moe[1:], strict=False))  # MoE layer -> the next one
 
     # sessions -----------------------------------------------------------------------------
 
@@ -212,7 +219,7 @@ class Model:
             x = rms_norm(ffn_in, self.post_norms[i], cfg.rms_norm_eps)
             ffn = self.ffn[i]
             if isinstance(ffn, MoELayer):
-                f, routing = ffn.forward(x, self.store)
+                f, routing = ffn.forward(x, self.store, self._guess(i, ffn_in) if decode else None)
                 times.dedup.append(routing.dedup_ratio)
                 if observer is not None:
                     hits = expand_hits(routing.ids, routing.unique, self.store.last_hits)
@@ -229,6 +236,25 @@ class Model:
         h = stream.output(positions, observer)
         times.add("attn_res", t0)
         return h
+
+    def _guess(self, layer: int, ffn_in: np.ndarray) -> Callable[[], None] | None:
+        """For a decode step at MoE layer `layer` whose FFN reads `ffn_in` [1, hidden]: what tells
+        the store the experts the next GUESS_LAYERS MoE layers will likely route to, once this
+        layer's reads are issued (see the module doc); None when no MoE layer follows or guessing
+        is off."""
+        if layer not in self._next_moe or not self.guess_experts:
+            return None
+
+        def guess() -> None:
+            nxt = self._next_moe.get(layer)
+            for _ in range(GUESS_LAYERS):
+                if nxt is None:
+                    break
+                ids, _ = self.ffn[nxt].route(rms_norm(ffn_in, self.post_norms[nxt], self.config.rms_norm_eps))
+                self.store.guess(nxt, np.sort(ids[0]))
+                nxt = self._next_moe.get(nxt)
+
+        return guess
 
     def _logits(self, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()

@@ -171,16 +171,19 @@ class MoELayer:
             raise WasteError(f"MoE input must be [T, {self.hidden}], got shape {x.shape}")
         return x
 
-    def routed(self, x: np.ndarray, z: np.ndarray, store: ExpertSource,
-               shared: Expert | None = None) -> tuple[np.ndarray, RoutingInfo]:
+    def routed(self, x: np.ndarray, z: np.ndarray, store: ExpertSource, shared: Expert | None = None,
+               then: Callable[[], None] | None = None) -> tuple[np.ndarray, RoutingInfo]:
         """Route on x [T, hidden], run the chosen experts on z [T, in] (in = the experts' input
         width) -> (weighted sum of the expert outputs [T, in], RoutingInfo); each unique expert
         fetched once. The `shared` experts, if given, run on z while the routed ones are read;
-        their output is added after the routed sum."""
+        their output is added after the routed sum. `then` is called once the store has the
+        request (its reads are issued): the model guesses the next layer's experts there."""
         ids, weights = self.route(x)
         # One token's top-k ids are distinct: sorted, they are its unique ids (np.unique costs 3x).
         unique = np.sort(ids[0]) if len(ids) == 1 else np.unique(ids)
         arrivals, ready = _arrivals(store, self.layer_index, unique)
+        if then is not None:
+            then()
         if z.shape[0] == 1:
             y = self._one_token(z, ids, weights, unique, arrivals, ready, shared)
         else:
@@ -251,11 +254,12 @@ class MoELayer:
             y += outs[U]
         return y
 
-    def forward(self, x: np.ndarray, store: ExpertSource) -> tuple[np.ndarray, RoutingInfo]:
+    def forward(self, x: np.ndarray, store: ExpertSource,
+                then: Callable[[], None] | None = None) -> tuple[np.ndarray, RoutingInfo]:
         """x [T, hidden] -> (y [T, hidden], RoutingInfo): routed experts plus the shared ones
-        (computed while the routed experts are read, added after them)."""
+        (computed while the routed experts are read, added after them); `then` as in `routed`."""
         x = self._check_input(x)
-        return self.routed(x, x, store, self.shared)
+        return self.routed(x, x, store, self.shared, then)
 
 
 def _arrivals(store: ExpertSource, layer: int, unique: np.ndarray) -> tuple[Iterator[tuple[int, Expert]], int]:
