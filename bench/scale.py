@@ -20,9 +20,12 @@ experts.bin in the page cache or the expert cache), then `--new` greedy decode s
 steady-state decode speed is over the steps after the first `--warm` (their cache is warm);
 then a second prompt of `--warm-prompt-len` other random ids in a new session, timed as the
 "warm" prefill: the expert cache (or page cache) holds what the first prompt and the decode
-left in it (0 skips it). Reported: tokens/s, peak RSS against the planner's figure, cache
+left in it (0 skips it). Both stores get the decode's guesses of the next MoE layers' experts
+(`waste.engine.model`): streaming reads them ahead, the map passes them on to the kernel
+(POSIX_FADV_WILLNEED). Reported: tokens/s, peak RSS against the planner's figure, cache
 budget (and `read_ahead_peak`, the most the cache, the reads under way and the prefill's reads
-ahead held at once), hit rate and expert GB read per decoded token, next to the planner's
+ahead held at once), hit rate, the share of decode misses a guess had read ahead (`guessed`)
+and expert GB read per decoded token, next to the planner's
 decode bound at the hit rate measured and what `waste plan` predicts (`predict_run`, the same
 code: uniform routing, at the RAM and runtime the run planned with), its cold prefill bound
 (expert bytes over the disk's speed, compute left out), with the NVMe bandwidth (a sequential
@@ -129,6 +132,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         steady_read = total.bytes_read - (warm_stats or {}).get("bytes_read", 0)
         steady_hits = total.hits - (warm_stats or {}).get("hits", 0)
         steady_requests = total.requests - (warm_stats or {}).get("requests", 0)
+        steady_misses = total.misses - (warm_stats or {}).get("misses", 0)
+        steady_guessed = total.ahead_used - (warm_stats or {}).get("ahead_used", 0)
         out = {
             "store": args.child, "context": context, "prompt_len": args.prompt_len, "decode_tokens": args.new,
             "io_mode": store.io_mode,
@@ -142,6 +147,9 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             "decode_tps_steady": len(steady) / sum(steady),
             "decode_hit_rate_steady": steady_hits / steady_requests if args.child == "streaming" else None,
             "decode_expert_gb_per_token_steady": steady_read / len(steady) / 1e9,
+            # misses whose read a guess issued before their layer asked (streaming only)
+            "decode_guessed_steady": steady_guessed / steady_misses if args.child == "streaming" and steady_misses
+            else None,
             "decode_stats": total.as_dict(), "peak_rss": peak_after_decode,
             "layer_seconds": layer_seconds, **warm_prefill,
         }
@@ -237,11 +245,13 @@ def main() -> int:
                      r["peak_rss"] / 2**30, p["planned_peak_rss"] / 2**30,
                      None if r["cache_budget"] is None else r["cache_budget"] / 2**30,
                      None if r["decode_hit_rate_steady"] is None else 100 * r["decode_hit_rate_steady"],
+                     None if r.get("decode_guessed_steady") is None else 100 * r["decode_guessed_steady"],
                      r["decode_expert_gb_per_token_steady"], r["prefill_expert_bytes_vs_model"]])
     print(common.format_table(["store", "io", "cold prefill tok/s", "prefill bound tok/s", "warm prefill tok/s",
                                "decode tok/s", "waste plan tok/s",
                                "bound at hit tok/s", "peak GiB",
-                               "plan GiB", "cache GiB", "hit %", "GB/token", "prefill reads/model"], rows))
+                               "plan GiB", "cache GiB", "hit %", "guessed %", "GB/token", "prefill reads/model"],
+                              rows))
     if len(results) == 2:
         ratio = results[0]["decode_tps_steady"] / results[1]["decode_tps_steady"]
         print(f"streaming / mmap decode: {ratio:.2f}x")

@@ -5,6 +5,7 @@ dropped and counted."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from concurrent.futures import wait
 from pathlib import Path
@@ -195,7 +196,8 @@ def test_decode_guesses_change_nothing_but_when_reads_happen(q4, layers_cached) 
 def test_a_guess_is_read_ahead_used_when_asked_for_and_dropped_when_wrong(q4) -> None:
     """A guessed expert is read before its layer asks and handed out without a read of its own
     (a miss, counted in `ahead_used`); a wrong guess is dropped when the layer asks, its bytes read
-    and unused. Bad ids and a closed store are refused; the memory map ignores guesses."""
+    and unused. Bad ids and a closed store are refused; the memory map passes guesses on to the
+    kernel (POSIX_FADV_WILLNEED) and counts nothing."""
     with open_container(q4) as c:
         layer = c.config.moe_layers[1]
         blob = int(c.expert_span(layer, 0)[1])
@@ -219,5 +221,9 @@ def test_a_guess_is_read_ahead_used_when_asked_for_and_dropped_when_wrong(q4) ->
         with pytest.raises(WasteError, match="closed"):
             store.guess(layer, [1])
         mapped = MmapExpertStore(c)
-        mapped.guess(layer, [1, 4])
+        advised = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os, "posix_fadvise", lambda *a: advised.append(a))
+            mapped.guess(layer, [1, 4])
+        assert advised == [(c.experts_fd, *c.expert_span(layer, e), os.POSIX_FADV_WILLNEED) for e in (1, 4)]
         assert mapped.stats.total.bytes_read == 0

@@ -289,6 +289,11 @@ class Container:
             self._expert_checked[li, expert] = True
         return self._decode(self._experts, offset)
 
+    @property
+    def experts_fd(self) -> int:
+        """Descriptor of experts.bin (open while the container is; do not close it)."""
+        return self._fds[EXPERTS]
+
     def data_fds(self) -> list[int]:
         """Descriptors of trunk.bin and experts.bin (open while the container is; do not close them)."""
         return list(self._fds.values())

@@ -33,7 +33,8 @@ nothing is evicted, a guessed blob asked for counts as a miss whose read was iss
 (`ahead_used`), the others are dropped when their layer asks. Guesses may also use room beyond
 the budget: GUESS_LAYERS + 1 times the bytes of one guess, the working memory of a decode step
 (its own misses under way and the guesses of the layers after it), which the memory plan counts
-(`waste.engine.memory`).
+(`waste.engine.memory`). The memory-mapped store passes a guess on to the kernel
+(POSIX_FADV_WILLNEED), which reads the blobs into the page cache for the map's faults.
 
 Integrity (issue 14): each blob read is checked against its CRC32C, in the reader thread right
 after the read, but off the critical path: `fetch` hands the blob out as soon as its read
@@ -200,6 +201,17 @@ class MmapExpertStore(ExpertStore):
         out = [expert for expert, _ in views]
         self._last_hits = np.zeros(len(ids), bool)
         return out
+
+    def guess(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Asks the kernel to read the guessed blobs into the page cache now (POSIX_FADV_WILLNEED),
+        where the map's page faults find them when the layer asks; nothing is counted."""
+        fd = self.container.experts_fd
+        for e in self._check(layer, expert_ids):
+            offset, nbytes = self.container.expert_span(layer, e)
+            try:
+                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return  # advice only: a file system that refuses it reads on the faults, as before
 
     def verify_pending(self) -> None:
         """Nothing pending: the container checks each expert's CRCs when `get` first touches it."""
