@@ -127,7 +127,7 @@ def blas_info() -> dict[str, object]:
 
 def quant_machine_info() -> dict[str, object]:
     """The shared machine description plus what decides these kernels' speed."""
-    return {**machine_info(), "numba_threading_layer": _threading_layer(), "vnni_kernels": ISA == "vnni",
+    return {**machine_info(), "numba_threading_layer": _threading_layer(), "vnni_kernels": ISA in ("vbmi", "vnni"),
             "dot_isa": ISA}
 
 

@@ -4,6 +4,11 @@ Numba's loop vectoriser leaves a per-group int8 dot scalar and multiplies across
 vpmulld/vpmaddwd at about 17 GMAC/s per core (docs/QUANT.md). These intrinsics emit one
 16-row block's whole group loop as LLVM vector IR, in one of three lowerings (ISAS) chosen
 for the host at import:
+- "vbmi": "vnni" with AVX512_VBMI's vpermb for mxfp4's nibble lookup: vpermb reads only an
+  index byte's low 6 bits, so a 64-entry table repeating the 16 codes looks up the low nibble
+  without masking it off and the high nibble after a 16-bit shift (vpsrlw) without masking the
+  bits the shift brings in: 3 operations per 64 code bytes, as q4g's masks and shift, where
+  vpshufb needs 5;
 - "vnni": vpdpbusd where the host has AVX-512 VNNI (and vpshufb on 512 bits);
 - "avx2": vpmaddubsw + vpmaddwd (and vpshufb on 256 bits). vpmaddubsw multiplies unsigned by
   signed bytes and sums pairs in int16 with saturation: exact for the small unsigned codes of
@@ -50,7 +55,7 @@ _VF = ir.VectorType(_F32, ROWS)
 # IEEE order, so every lowering gives the same float bits from the same integers.
 _IEEE = ("arcp",)
 
-ISAS = ("vnni", "avx2", "generic")
+ISAS = ("vbmi", "vnni", "avx2", "generic")
 # The unsigned code of each mxfp4 nibble: twice its E2M1 value plus the offset.
 _MXFP4_LUT = [int(v) + CODE_OFFSET["mxfp4"] for v in mxfp4.E2M1_TWICE]
 # Formats whose unsigned codes are small enough for vpmaddubsw, and their largest code.
@@ -74,7 +79,7 @@ def _host_isa() -> str:
         return "generic"
     features = set(llvm.get_host_cpu_features().flatten().split(","))
     if {"+avx512vnni", "+avx512bw"} <= features:
-        return "vnni"
+        return "vbmi" if "+avx512vbmi" in features else "vnni"
     return "avx2" if "+avx2" in features else "generic"
 
 
@@ -109,6 +114,15 @@ def _lookup(builder: ir.IRBuilder, nibbles: ir.Value, table: list[int], isa: str
         hit = builder.icmp_unsigned("==", nibbles, ir.Constant(_VB, [n] * CHUNK))
         out = builder.select(hit, ir.Constant(_VB, [table[n]] * CHUNK), out)
     return out
+
+
+def _mxfp4_codes_vbmi(builder: ir.IRBuilder, w: ir.Value) -> list[ir.Value]:
+    """The unsigned codes of the low and of the high nibbles of a <64 x i8> of packed mxfp4 (see
+    the module doc): vpermb of each byte, and of each byte after a 16-bit right shift by 4."""
+    table = ir.Constant(_VB, _MXFP4_LUT * 4)
+    words = ir.VectorType(_I16, CHUNK // 2)
+    shifted = builder.bitcast(builder.lshr(builder.bitcast(w, words), ir.Constant(words, [4] * (CHUNK // 2))), _VB)
+    return [_x86(builder, "llvm.x86.avx512.permvar.qi.512", _VB, table, idx) for idx in (w, shifted)]
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vt: ir.VectorType) -> ir.Value:
@@ -172,6 +186,8 @@ def _abs_halves(builder: ir.IRBuilder, w: ir.Value) -> list[ir.Value]:
 
 def dot_lowering(isa: str, fmt: str) -> str:
     """How a block of format `fmt` computes its integer dots on a host of lowering `isa`."""
+    if isa == "vbmi":
+        return "vnni"
     if isa != "avx2":
         return isa
     return "avx2" if fmt in SMALL_CODES else "avx2_signed"
@@ -267,10 +283,12 @@ def _make_block(tokens: int, isa: str):
                     if fmt == "q8g":
                         # Flipping the sign bit reads int8 code q as the unsigned byte q + 128.
                         parts = [(builder.xor(wv, ir.Constant(_VB, [0x80] * CHUNK)), 4 * ch)]
+                    elif fmt == "mxfp4" and isa == "vbmi":
+                        parts = list(zip(_mxfp4_codes_vbmi(builder, wv), (4 * ch, GROUP // 2 + 4 * ch), strict=True))
                     else:
                         parts = [(builder.and_(wv, ir.Constant(_VB, [15] * CHUNK)), 4 * ch),
                                  (builder.lshr(wv, ir.Constant(_VB, [4] * CHUNK)), GROUP // 2 + 4 * ch)]
-                    if fmt == "mxfp4":
+                    if fmt == "mxfp4" and isa != "vbmi":
                         parts = [(_lookup(builder, wpart, _MXFP4_LUT, isa), k) for wpart, k in parts]
                     for t in range(tokens):
                         for wpart, k in parts:

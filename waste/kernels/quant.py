@@ -358,8 +358,8 @@ SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 # Numba's cache keys _rows (and _q_products below) on this file alone, though they inline the
 # blocks' generated code: a change to int8_blocks' lowerings must change this file too, or cached
-# kernels keep the old code (the last such change: mxfp4's E8M0 decode selecting NaN with
-# vblendvps on AVX2).
+# kernels keep the old code (the last such change: mxfp4's nibble lookup with vpermb on
+# AVX512_VBMI hosts).
 @kernel
 def _rows(qs, scales, xq, xsum, xs, Y, ts, b):
     """Row block b of Y for all tokens: tiles of TOKEN_TILE tokens, then one at a time."""
