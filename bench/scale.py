@@ -7,7 +7,9 @@ Each store then runs in its own child process (a fresh RSS peak, nothing shared)
 - `streaming`: the store `waste run` picks by default when the experts do not fit: a cache of
   the room the memory planner leaves (`waste.engine.memory`), filled with O_DIRECT reads, so
   the experts never sit in the page cache as well;
-- `mmap`: the container's memory map; the kernel's page cache is the expert cache.
+- `mmap`: the container's memory map; the kernel's page cache is the expert cache;
+- `streaming-unguessed`, `mmap-unguessed`: the same without the decode's guesses of the next
+  MoE layers' experts (`waste.engine.model`), `mmap-unguessed` being the plain memory map.
 
 Same RAM for both: the machine's own. The q4 experts (26 GB) exceed this machine's RAM, so the
 page cache can hold only part of them, and the streaming cache is sized from the same
@@ -61,7 +63,12 @@ from waste.plan import make_plan
 from waste.synth_container import synthesize_container
 from waste.units import parse_size
 
-STORES = ("streaming", "mmap")
+# Each store with the decode's guesses (as `waste run` does) and without them ("-unguessed").
+STORES = ("streaming", "mmap", "streaming-unguessed", "mmap-unguessed")
+
+
+def is_streaming(store: str) -> bool:
+    return store.startswith("streaming")
 
 
 def default_dir() -> Path:
@@ -93,11 +100,12 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         model, runtime = measure_runtime(c, chunk=args.prefill_chunk)
         memory = plan_run_memory(c, context, chunk=args.prefill_chunk, pass_tokens=PREFILL_PASS_TOKENS,
                                  runtime=runtime, decode_tokens=args.new, available=available)
-        if args.child == "streaming":
+        if is_streaming(args.child):
             store: Any = StreamingExpertStore(c, memory.cache_budget, "lru", args.read_threads, direct_io=True)
         else:
             store = MmapExpertStore(c)
         model.store = store
+        model.guess_experts = not args.child.endswith("-unguessed")
         dropped = common.drop_page_cache(c.experts_path)
         session = model.new_session(context)
         t0 = time.perf_counter()
@@ -145,10 +153,10 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             "prefill_expert_bytes_vs_model": prefill["bytes_read"] / c.byte_counts()["expert_bytes"],
             "decode_step_s": step_s, "decode_tps_all": len(step_s) / sum(step_s),
             "decode_tps_steady": len(steady) / sum(steady),
-            "decode_hit_rate_steady": steady_hits / steady_requests if args.child == "streaming" else None,
+            "decode_hit_rate_steady": steady_hits / steady_requests if is_streaming(args.child) else None,
             "decode_expert_gb_per_token_steady": steady_read / len(steady) / 1e9,
             # misses whose read a guess issued before their layer asked (streaming only)
-            "decode_guessed_steady": steady_guessed / steady_misses if args.child == "streaming" and steady_misses
+            "decode_guessed_steady": steady_guessed / steady_misses if is_streaming(args.child) and steady_misses
             else None,
             "decode_stats": total.as_dict(), "peak_rss": peak_after_decode,
             "layer_seconds": layer_seconds, **warm_prefill,
@@ -182,7 +190,7 @@ def predictions(path: Path, result: dict[str, Any], nvme_gbps: float, mem_gbps: 
     out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"], "waste_plan": predicted.as_dict(),
                            "prefill_bound_tps": predicted.prefill.tokens_per_second}
     # The uniform-routing figure is the prediction for the streaming store `waste run` picks here.
-    hits = {"uniform": predicted.hit_rate if result["store"] == "streaming" else None,
+    hits = {"uniform": predicted.hit_rate if is_streaming(result["store"]) else None,
             "measured_hit": result["decode_hit_rate_steady"]}
     for label, hit in hits.items():
         if hit is not None:
@@ -240,7 +248,7 @@ def main() -> int:
         p = r["prediction"]
         rows.append([r["store"], r["io_mode"], r["prefill_tps"], p["prefill_bound_tps"], r.get("warm_prefill_tps"),
                      r["decode_tps_steady"],
-                     p["waste_plan"]["decode_bound_tps"] if r["store"] == "streaming" else None,
+                     p["waste_plan"]["decode_bound_tps"] if is_streaming(r["store"]) else None,
                      p.get("decode_bound_tps_measured_hit", p.get("decode_bound_tps_uniform")),
                      r["peak_rss"] / 2**30, p["planned_peak_rss"] / 2**30,
                      None if r["cache_budget"] is None else r["cache_budget"] / 2**30,
@@ -252,9 +260,10 @@ def main() -> int:
                                "bound at hit tok/s", "peak GiB",
                                "plan GiB", "cache GiB", "hit %", "guessed %", "GB/token", "prefill reads/model"],
                               rows))
-    if len(results) == 2:
-        ratio = results[0]["decode_tps_steady"] / results[1]["decode_tps_steady"]
-        print(f"streaming / mmap decode: {ratio:.2f}x")
+    decode = {r["store"]: r["decode_tps_steady"] for r in results}
+    for a, b in (("streaming", "mmap"), ("streaming", "mmap-unguessed"), ("streaming-unguessed", "mmap-unguessed")):
+        if a in decode and b in decode:
+            print(f"{a} / {b} decode: {decode[a] / decode[b]:.2f}x")
     load_after = list(os.getloadavg())
     print(f"load average before {load_before}, after {load_after}")
     out = args.out or common.RESULTS_DIR / f"scale-{args.preset}-{args.quant}.json"
