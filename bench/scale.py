@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -108,9 +109,9 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         model.guess_experts = not args.child.endswith("-unguessed")
         dropped = common.drop_page_cache(c.experts_path)
         session = model.new_session(context)
-        t0 = time.perf_counter()
+        cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         model.prefill(session, prompt, chunk=args.prefill_chunk, all_logits=False)
-        prefill_s = time.perf_counter() - t0
+        prefill_s, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         prefill = store.stats.total.as_dict()
         store.stats.reset()
         token = int(np.argmax(session.last_logits))
@@ -150,6 +151,9 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             "cache_budget": getattr(store, "budget_bytes", None),
             "read_ahead_peak": getattr(store, "read_ahead_peak", None),
             "prefill_s": prefill_s, "prefill_tps": args.prompt_len / prefill_s, "prefill_stats": prefill,
+            # CPU seconds of all the process's threads during the cold prefill: user (kernels, checks)
+            # and system (page faults populating fresh buffers or page cache, reads)
+            "prefill_cpu_user_s": cpu1.ru_utime - cpu0.ru_utime, "prefill_cpu_sys_s": cpu1.ru_stime - cpu0.ru_stime,
             "prefill_expert_bytes_vs_model": prefill["bytes_read"] / c.byte_counts()["expert_bytes"],
             "decode_step_s": step_s, "decode_tps_all": len(step_s) / sum(step_s),
             "decode_tps_steady": len(steady) / sum(steady),
@@ -260,6 +264,9 @@ def main() -> int:
                                "bound at hit tok/s", "peak GiB",
                                "plan GiB", "cache GiB", "hit %", "guessed %", "GB/token", "prefill reads/model"],
                               rows))
+    for r in results:
+        print(f"{r['store']}: the cold prefill took {r['prefill_s']:.1f} s and {r['prefill_cpu_user_s']:.1f} s user, "
+              f"{r['prefill_cpu_sys_s']:.1f} s system CPU")
     decode = {r["store"]: r["decode_tps_steady"] for r in results}
     for a, b in (("streaming", "mmap"), ("streaming", "mmap-unguessed"), ("streaming-unguessed", "mmap-unguessed")):
         if a in decode and b in decode:
