@@ -104,7 +104,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         if is_streaming(args.child):
             store: Any = StreamingExpertStore(c, memory.cache_budget, "lru", args.read_threads, direct_io=True)
         else:
-            store = MmapExpertStore(c)
+            store = MmapExpertStore(c, advise_guesses=True)
         model.store = store
         model.guess_experts = not args.child.endswith("-unguessed")
         dropped = common.drop_page_cache(c.experts_path)

@@ -227,3 +227,27 @@ def test_a_guess_is_read_ahead_used_when_asked_for_and_dropped_when_wrong(q4) ->
             mapped.guess(layer, [1, 4])
         assert advised == [(c.experts_fd, *c.expert_span(layer, e), os.POSIX_FADV_WILLNEED) for e in (1, 4)]
         assert mapped.stats.total.bytes_read == 0
+
+
+def test_decode_guesses_only_where_they_can_help(q4) -> None:
+    """Guessing costs a decode step two routings per MoE layer (8% of a `mini` step): the model
+    guesses only for a store that can miss: a streaming cache smaller than the experts, or a map
+    asked to pass guesses on; not the plain map `waste run` uses when every expert fits."""
+    with open_container(q4) as c:
+        total = c.byte_counts()["expert_bytes"]
+        stores = {"map": MmapExpertStore(c), "advised map": MmapExpertStore(c, advise_guesses=True),
+                  "small cache": StreamingExpertStore(c, total // 2, read_threads=4),
+                  "cache of all": StreamingExpertStore(c, total, read_threads=4),
+                  "no reader threads": StreamingExpertStore(c, 0, read_threads=1)}
+        expected = {"map": False, "advised map": True, "small cache": True, "cache of all": False,
+                    "no reader threads": False}
+        for name, store in stores.items():
+            assert store.takes_guesses == expected[name], name
+            guessed = []
+            store.guess = lambda layer, ids, guessed=guessed: guessed.append(layer)  # type: ignore[method-assign]
+            model = Model(c, store=store)
+            session = model.new_session(4)
+            model.prefill(session, PROMPT[:2])
+            model.decode(session, 5)
+            assert bool(guessed) == expected[name], name
+            store.close()

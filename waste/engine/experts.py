@@ -136,6 +136,12 @@ class ExpertStore(ABC):
         after the one asked for, in the order `layers` gives (see the module doc); here, nothing."""
         return nullcontext()
 
+    @property
+    def takes_guesses(self) -> bool:
+        """Whether `guess` can help: False when every expert is at hand, so a decode step does not
+        spend its time guessing."""
+        return False
+
     def guess(self, layer: int, expert_ids: Sequence[int]) -> None:
         """The experts `layer` is expected to ask for next: a store that reads from disk reads the
         uncached ones ahead (see the module doc); here, nothing."""
@@ -177,8 +183,11 @@ class MmapExpertStore(ExpertStore):
 
     io_mode = "mmap"
 
-    def __init__(self, container: Any):
+    def __init__(self, container: Any, *, advise_guesses: bool = False):
+        """`advise_guesses`: pass the decode's guesses on to the kernel (worth it only when the
+        experts do not all fit in the page cache; `waste run` maps them only when they fit)."""
         super().__init__(container)
+        self.advise_guesses = advise_guesses
         # Views hold no memory of their own (they point into the map), so each expert's are
         # built once instead of on every request (17 us an expert, ~9% of a `mini` decode step).
         # (expert, its blob's bytes) by (layer, expert)
@@ -201,6 +210,10 @@ class MmapExpertStore(ExpertStore):
         out = [expert for expert, _ in views]
         self._last_hits = np.zeros(len(ids), bool)
         return out
+
+    @property
+    def takes_guesses(self) -> bool:
+        return self.advise_guesses
 
     def guess(self, layer: int, expert_ids: Sequence[int]) -> None:
         """Asks the kernel to read the guessed blobs into the page cache now (POSIX_FADV_WILLNEED),
@@ -328,6 +341,8 @@ class StreamingExpertStore(ExpertStore):
         self.read_threads = int(read_threads)
         self.io_note = ""
         self._path = container.experts_path
+        self._expert_bytes = sum(int(container.expert_span(layer, e)[1]) for layer in self._moe_layers
+                                 for e in range(self._num_experts))
         self._verify = bool(container.verify_data)
         self._spare = SpareBuffers(SPARE_BUFFERS)
         self._cache = _ExpertCache(self.budget_bytes, policy, self._spare.give)
@@ -470,6 +485,12 @@ class StreamingExpertStore(ExpertStore):
         has room beyond the cache's entries, the reads under way and those already ahead."""
         if self._issue_ahead(layer, range(self._num_experts), 0):
             self._ahead_peak = max(self._ahead_peak, self._cache.held + self._missing_bytes + self._ahead_bytes)
+
+    @property
+    def takes_guesses(self) -> bool:
+        """With reader threads and a budget smaller than the experts (once they all fit, the
+        cache, warm, misses nothing)."""
+        return self._pool is not None and self.budget_bytes < self._expert_bytes
 
     def guess(self, layer: int, expert_ids: Sequence[int]) -> None:
         """Read ahead the uncached ones of `expert_ids`, which `layer` is expected to ask for (see

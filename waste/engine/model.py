@@ -242,7 +242,7 @@ class Model:
         the store the experts the next GUESS_LAYERS MoE layers will likely route to, once this
         layer's reads are issued (see the module doc); None when no MoE layer follows or guessing
         is off."""
-        if layer not in self._next_moe or not self.guess_experts:
+        if layer not in self._next_moe or not self.guess_experts or not self.store.takes_guesses:
             return None
 
         def guess() -> None:
