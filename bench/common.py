@@ -106,6 +106,28 @@ def drop_page_cache(path: Path, *, whole_machine: bool = False) -> str:
     return "+".join(done) or "none"
 
 
+def fresh_memory_cost(total: int = 4 << 30, piece: int = 256 << 20) -> list[float]:
+    """System CPU seconds per GB to fault in `total` bytes of new anonymous memory, held in maps of
+    `piece` bytes populated at the map call (MAP_POPULATE), one figure per GB in order. On a
+    bare machine this is the kernel zeroing pages (a few tenths of a second per GB); on a VM whose
+    host takes freed memory back, the later GBs also pay the host's faults."""
+    import mmap
+    import resource
+
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    held, costs, per_gb = [], [], max(1, (1 << 30) // piece)
+    try:
+        while len(held) * piece < total:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+            for _ in range(per_gb):
+                held.append(mmap.mmap(-1, piece, flags=flags))
+            costs.append((resource.getrusage(resource.RUSAGE_SELF).ru_stime - before) * 1e9 / (per_gb * piece))
+    finally:
+        for m in held:
+            m.close()
+    return costs
+
+
 def thread_counts() -> tuple[int, ...]:
     """The thread counts every ratio is reported at: one, and all cores (once on a 1-core machine)."""
     return tuple(sorted({1, num_threads()}))

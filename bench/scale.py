@@ -239,6 +239,9 @@ def main() -> int:
         counts = c.byte_counts()
         seq = common.sequential_read(c.experts_path, direct=True, limit=4 << 30)
     mem = copy_bandwidth(threads=numba.config.NUMBA_NUM_THREADS)
+    fresh = common.fresh_memory_cost()
+    print("fresh memory (4 GB of new anonymous maps, populated): " +
+          ", ".join(f"{s:.2f}" for s in fresh) + " s of system CPU per GB, GB by GB")
     print(f"{path}: trunk {counts['trunk_bytes'] / 1e9:.2f} GB, experts {counts['expert_bytes'] / 1e9:.2f} GB"
           f"{'' if synth_s is None else f', synthesised in {synth_s:.0f} s'}; experts.bin read "
           f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}), RAM copy {mem['gbps']:.1f} GB/s")
@@ -278,7 +281,7 @@ def main() -> int:
         "benchmark": "scale", "preset": args.preset, "scheme": args.quant, "container": str(path),
         "machine": info, "load_average_before": load_before, "load_average_after": load_after,
         "synth_seconds": synth_s, "trunk_bytes": counts["trunk_bytes"], "expert_bytes": counts["expert_bytes"],
-        "sequential_read": seq, "copy_bandwidth": mem,
+        "sequential_read": seq, "copy_bandwidth": mem, "fresh_memory_sys_s_per_gb": fresh,
         "settings": {"prompt_len": args.prompt_len, "warm_prompt_len": args.warm_prompt_len, "new": args.new,
                      "warm": args.warm, "prefill_chunk": args.prefill_chunk, "read_threads": args.read_threads,
                      "ram": args.ram},
