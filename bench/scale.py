@@ -31,7 +31,8 @@ and expert GB read per decoded token, next to the planner's
 decode bound at the hit rate measured and what `waste plan` predicts (`predict_run`, the same
 code: uniform routing, at the RAM and runtime the run planned with), its cold prefill bound
 (expert bytes over the disk's speed, compute left out), with the NVMe bandwidth (a sequential
-O_DIRECT read of experts.bin) and RAM bandwidth (a copy) measured in the same run.
+O_DIRECT read of experts.bin) and the RAM bandwidth `waste plan` measures (what the q8g matvec
+reads, `measure_memory`) taken in the same run.
 Other engineers may share the cores: the load average is recorded before and after.
 
     python bench/scale.py [--dir D] [--preset kimi-linear-48b-a3b] [--prompt-len 512] [--new 64]
@@ -55,7 +56,7 @@ import numba
 import numpy as np
 
 from waste.analysis.budget import copy_bandwidth, decode_speed_bound, predict_run
-from waste.analysis.machine import Bandwidth, Bandwidths
+from waste.analysis.machine import Bandwidth, Bandwidths, measure_memory
 from waste.container import open_container
 from waste.engine.experts import MmapExpertStore, StreamingExpertStore
 from waste.engine.memory import measure_runtime, peak_rss, plan_run_memory
@@ -188,7 +189,7 @@ def predictions(path: Path, result: dict[str, Any], nvme_gbps: float, mem_gbps: 
     mp = result["memory_plan"]
     plan = make_plan(str(path), context=result["context"])
     rates = Bandwidths(Bandwidth(nvme_gbps, "measured in this run: sequential O_DIRECT read of experts.bin"),
-                       Bandwidth(mem_gbps, "measured in this run: a copy"))
+                       Bandwidth(mem_gbps, "measured in this run: q8g matvec reads (measure_memory)"))
     predicted = predict_run(plan, mp["available"], rates, runtime=mp["runtime"], decode_tokens=result["decode_tokens"],
                             prompt_tokens=result["prompt_len"])
     out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"], "waste_plan": predicted.as_dict(),
@@ -239,16 +240,18 @@ def main() -> int:
         counts = c.byte_counts()
         seq = common.sequential_read(c.experts_path, direct=True, limit=4 << 30)
     mem = copy_bandwidth(threads=numba.config.NUMBA_NUM_THREADS)
+    reads = measure_memory()  # what `waste plan` plans with
     fresh = common.fresh_memory_cost()
     print("fresh memory (4 GB of new anonymous maps, populated): " +
           ", ".join(f"{s:.2f}" for s in fresh) + " s of system CPU per GB, GB by GB")
     print(f"{path}: trunk {counts['trunk_bytes'] / 1e9:.2f} GB, experts {counts['expert_bytes'] / 1e9:.2f} GB"
           f"{'' if synth_s is None else f', synthesised in {synth_s:.0f} s'}; experts.bin read "
-          f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}), RAM copy {mem['gbps']:.1f} GB/s")
+          f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}), RAM copy {mem['gbps']:.1f} GB/s, q8g matvec reads "
+          f"{reads['gbps']:.1f} GB/s")
     results = []
     for store in args.stores:
         r = child_run(args, store)
-        r["prediction"] = predictions(path, r, seq["gbps"], mem["gbps"])
+        r["prediction"] = predictions(path, r, seq["gbps"], reads["gbps"])
         results.append(r)
     rows = []
     for r in results:
@@ -281,7 +284,7 @@ def main() -> int:
         "benchmark": "scale", "preset": args.preset, "scheme": args.quant, "container": str(path),
         "machine": info, "load_average_before": load_before, "load_average_after": load_after,
         "synth_seconds": synth_s, "trunk_bytes": counts["trunk_bytes"], "expert_bytes": counts["expert_bytes"],
-        "sequential_read": seq, "copy_bandwidth": mem, "fresh_memory_sys_s_per_gb": fresh,
+        "sequential_read": seq, "copy_bandwidth": mem, "matvec_read": reads, "fresh_memory_sys_s_per_gb": fresh,
         "settings": {"prompt_len": args.prompt_len, "warm_prompt_len": args.warm_prompt_len, "new": args.new,
                      "warm": args.warm, "prefill_chunk": args.prefill_chunk, "read_threads": args.read_threads,
                      "ram": args.ram},

@@ -112,6 +112,22 @@ def test_bandwidths_measured_once_then_cached(q4: Path, tmp_path: Path, monkeypa
     assert (given.disk.gbps, given.memory.gbps) == (1.5, 3.0)
 
 
+def test_memory_is_what_the_decode_kernel_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory figure is the q8g matvec's own read speed over a matrix of the sample size (its
+    codes and scales), and a cache from before it, which held a copy's speed, is not reused."""
+    m = machine.measure_memory(8 << 20, rounds=2)
+    assert (8 << 20) - (2 << 20) <= m["bytes"] <= 8 << 20
+    assert m["gbps"] == pytest.approx(m["bytes"] / m["best_seconds"] / 1e9) and m["gbps"] > 0
+    calls = []
+    monkeypatch.setattr(machine, "measure_memory", lambda n: calls.append(n) or {"bytes": n, "gbps": 12.5})
+    monkeypatch.setenv("WASTE_CACHE_DIR", str(tmp_path))
+    (tmp_path / machine.CACHE_FILE).write_text(json.dumps({"memory": {"gbps": 999.0, "what": "a copy"}}))
+    got = bandwidths(disk_file=tmp_path / machine.CACHE_FILE, disk_gbps=1.0)
+    assert got.memory.gbps == 12.5 and calls == [machine.MEMORY_SAMPLE_BYTES]
+    assert "q8g matvecs" in got.memory.source
+    assert json.loads((tmp_path / machine.CACHE_FILE).read_text())[machine.MEMORY_KEY]["gbps"] == 12.5
+
+
 def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_path: Path) -> None:
     """A bench/scale.py result (its shape) on the memory_planning plot: the measured run at the
     RAM it planned with, and what `waste plan` (predict_run) predicts for that RAM."""
