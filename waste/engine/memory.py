@@ -42,14 +42,19 @@ HEADROOM_FRACTION = 0.05  # of the available RAM, kept free for the allocator, t
 HEADROOM_MIN = 256 << 20
 
 
-def _meminfo_available() -> int | None:
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The kB figure on the line `key:` of a /proc file such as /proc/meminfo, in bytes (None if absent)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _meminfo_available() -> int | None:
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def _cgroup_room() -> int | None:
@@ -116,26 +121,16 @@ def current_rss() -> int:
 def anonymous_rss() -> int:
     """Resident anonymous bytes of this process now (RssAnon: its heap, arrays and stacks, not
     the file pages it maps)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return current_rss()
+    anonymous = _proc_bytes("/proc/self/status", "RssAnon")
+    return current_rss() if anonymous is None else anonymous
 
 
 def peak_rss() -> int:
     """The largest resident size this process has had: VmHWM, the high-water mark of its own
     memory. (ru_maxrss is no substitute: Linux carries it across exec, so a process started by
     a larger one reports its parent's size until it outgrows it.)"""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    peak = _proc_bytes("/proc/self/status", "VmHWM")
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024 if peak is None else peak
 
 
 @dataclass(frozen=True)
