@@ -38,45 +38,40 @@ the budget: GUESS_LAYERS + 1 times the bytes of one guess, the working memory of
 
 Integrity (issue 14): each blob read is checked against its CRC32C, in the reader thread right
 after the read, but off the critical path: `fetch` hands the blob out as soon as its read
-finishes and the check runs meanwhile. The caller waits
-for the checks with `verify_pending` before it gives out anything computed from the blobs (the
-model does at the end of every step, and before it reports any other error of the step), which
+finishes and the check runs meanwhile. The caller waits for the checks with `verify_pending`
+before it gives out anything computed from the blobs (the model does at the end of every step,
+and before it reports any other error of the step), which
 raises the ContainerError of a blob that failed and drops that blob from the cache. A cached
 blob whose check has not finished is never handed out again before it passes: `fetch` waits for
 it first. `get` returns checked experts only. With one read thread (no pool) the check runs in
 the caller, before the blob is handed out.
 
-The cache charges each entry its blob's size in experts.bin (padding included), which is
-the size of the buffer the decoded views live in; the charge never exceeds the budget.
-Experts handed out stay valid after eviction: they hold their own buffer. An evicted entry's
-buffer is read into again (`waste.engine.read_buffers.SpareBuffers`) only once nothing refers to it any more.
+The cache (`waste.engine.expert_cache`) charges each entry its blob's size in experts.bin
+(padding included), the size of the buffer the decoded views live in; the charge never exceeds
+the budget. Experts handed out stay valid after eviction: they hold their own buffer. An evicted
+entry's buffer is read into again (`waste.engine.read_buffers`) only once nothing refers to it.
 """
 
 from __future__ import annotations
 
 import errno
-import heapq
 import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from waste.container.format import EXPERTS
+from waste.engine.expert_cache import POLICIES, Entry, Expert, ExpertCache
 from waste.engine.expert_stats import ExpertStats
-from waste.engine.read_buffers import SPARE_BUFFERS, SpareBuffers
+from waste.engine.read_buffers import SPARE_BUFFERS, SpareBuffers, pread_into
 from waste.errors import WasteError
-from waste.kernels.quant import QMatrix
 
-Expert = tuple[QMatrix, QMatrix, QMatrix]  # (w1 gate, w3 up, w2 down)
-POLICIES = ("lru", "lfu")
 # MoE layers a decode step guesses ahead. On the 48B q4 container from disk (2026-12-01, Xeon,
 # 18 GiB cache, 1.9 GB/s disk) a steady decode step took 259-298 ms unguessed, 253 guessing
 # one layer ahead, 199 two and 204 three (85-88% of the misses guessed at each depth).
@@ -233,87 +228,6 @@ class MmapExpertStore(ExpertStore):
         """Nothing to release: the container owns the map."""
 
 
-@dataclass
-class _Entry:
-    expert: Expert
-    buf: np.ndarray  # [nbytes] uint8, page-aligned; the decoded views point into it
-    checking: Future[None] | None = None  # its CRC check until `verify_pending` saw it pass
-    freq: int = 0
-    tick: int = 0
-
-
-class _ExpertCache:
-    """Entries keyed by (layer, expert) within a byte budget; LRU or LFU (ties to LRU).
-    `on_evict(buf)` receives each evicted entry's buffer."""
-
-    def __init__(self, budget_bytes: int, policy: str, on_evict: Callable[[np.ndarray], None] | None = None):
-        self.budget = budget_bytes
-        self.policy = policy
-        self.on_evict = on_evict
-        self.entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()  # least recent first
-        self.held = 0
-        self._tick = 0
-        self._heap: list[tuple[int, int, tuple[int, int]]] = []  # LFU: (freq, tick, key), lazily pruned
-
-    def lookup(self, key: tuple[int, int]) -> _Entry | None:
-        return self.entries.get(key)
-
-    def touch(self, key: tuple[int, int], entry: _Entry) -> None:
-        """Mark `key` used now, inserting `entry` if it is not cached."""
-        self._tick += 1
-        held = self.entries.get(key)
-        if held is not None:
-            held.freq += 1
-            held.tick = self._tick
-            self.entries.move_to_end(key)
-            self._push(key, held)
-            return
-        nbytes = int(entry.buf.nbytes)
-        if nbytes > self.budget:
-            return
-        while self.held + nbytes > self.budget:
-            self._evict()
-        entry.freq, entry.tick = 1, self._tick
-        self.entries[key] = entry
-        self.held += nbytes
-        self._push(key, entry)
-
-    def discard(self, key: tuple[int, int], entry: _Entry) -> None:
-        """Remove `key` if it holds `entry` (a blob that failed its check)."""
-        if self.entries.get(key) is entry:
-            del self.entries[key]
-            self.held -= int(entry.buf.nbytes)
-            if self.on_evict is not None:
-                self.on_evict(entry.buf)
-
-    def _push(self, key: tuple[int, int], entry: _Entry) -> None:
-        if self.policy != "lfu":
-            return
-        heapq.heappush(self._heap, (entry.freq, entry.tick, key))
-        if len(self._heap) > 4 * len(self.entries) + 64:
-            self._heap = [(e.freq, e.tick, k) for k, e in self.entries.items()]
-            heapq.heapify(self._heap)
-
-    def _evict(self) -> None:
-        if self.policy == "lru":
-            key, entry = self.entries.popitem(last=False)
-        else:
-            while True:
-                freq, tick, key = heapq.heappop(self._heap)
-                held = self.entries.get(key)
-                if held is not None and held.freq == freq and held.tick == tick:
-                    break
-            entry = self.entries.pop(key)
-        self.held -= int(entry.buf.nbytes)
-        if self.on_evict is not None:
-            self.on_evict(entry.buf)
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self._heap.clear()
-        self.held = 0
-
-
 class StreamingExpertStore(ExpertStore):
     """Reads missing experts from experts.bin into a cache of `budget_bytes` (see module doc).
 
@@ -345,10 +259,10 @@ class StreamingExpertStore(ExpertStore):
                                  for e in range(self._num_experts))
         self._verify = bool(container.verify_data)
         self._spare = SpareBuffers(SPARE_BUFFERS)
-        self._cache = _ExpertCache(self.budget_bytes, policy, self._spare.give)
+        self._cache = ExpertCache(self.budget_bytes, policy, self._spare.give)
         self._lock = threading.Lock()
         # (layer, expert, its entry, its check) of blobs handed out whose checks nobody waited for yet
-        self._pending: list[tuple[int, int, _Entry | None, Future[None]]] = []
+        self._pending: list[tuple[int, int, Entry | None, Future[None]]] = []
         # Read-ahead (see the module doc): the MoE layers of the pass in order, the reads issued
         # ahead ((layer, expert) -> (blob arrived, read-then-check task, bytes)) and their (start,
         # end) times by layer; the bytes of a request's misses until its touch phase inserts them.
@@ -387,7 +301,7 @@ class StreamingExpertStore(ExpertStore):
         if any(entry is not None and entry.checking is not None for entry in looked_up):
             self.verify_pending()  # a hit whose check still runs or failed (the caller did not wait)
         hits = np.array([f is not None for f in looked_up], bool)
-        found: dict[int, _Entry] = {i: f for i, f in enumerate(looked_up) if f is not None}
+        found: dict[int, Entry] = {i: f for i, f in enumerate(looked_up) if f is not None}
         missing = [i for i, f in enumerate(looked_up) if f is None]
         self._last_hits = hits
         st = self.stats.layer(layer)
@@ -427,7 +341,7 @@ class StreamingExpertStore(ExpertStore):
                 for i in sorted(found):
                     yield i, found[i].expert
                 for i, buf in arrivals:
-                    found[i] = _Entry(self.container.decode_expert(layer, buf), buf, checking=checks.get(i))
+                    found[i] = Entry(self.container.decode_expert(layer, buf), buf, checking=checks.get(i))
                     st.bytes_read += int(buf.nbytes)
                     yield i, found[i].expert
                 complete = True
@@ -658,7 +572,7 @@ class StreamingExpertStore(ExpertStore):
             if fd is None:
                 raise WasteError("expert store is closed")
             try:
-                _pread_into(fd, buf, offset)
+                pread_into(fd, buf, offset)
                 return buf
             except OSError as e:
                 if direct and e.errno == errno.EINVAL:
@@ -693,24 +607,5 @@ def open_expert_store(
     return StreamingExpertStore(container, budget_bytes, policy, read_threads, direct_io)
 
 
-def _os_pread_copy(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """preadv for platforms without it: one pread, then a copy."""
-    data = os.pread(fd, len(buffers[0]), offset)
-    buffers[0][: len(data)] = data
-    return len(data)
-
-
-# Module-level hooks so tests can force the O_DIRECT fallbacks.
+# A module-level hook so tests can force the O_DIRECT fallback at open.
 _os_open = os.open
-_preadv = getattr(os, "preadv", _os_pread_copy)
-
-
-def _pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
-    """Fill `buf` from `offset`, one positional read (more only if the kernel returns short)."""
-    view = memoryview(buf)
-    done = 0
-    while done < len(view):
-        got = _preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise EOFError
-        done += got

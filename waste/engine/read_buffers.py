@@ -1,9 +1,10 @@
 """Page-aligned read buffers for the streaming expert store: fresh ones populated by the map
-call, evicted ones reused once nothing refers to them."""
+call, evicted ones reused once nothing refers to them; and the positional read that fills one."""
 
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 import threading
 from collections import deque
@@ -74,3 +75,25 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
         raise WasteError(f"expert blob size must be positive, got {nbytes}")
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _POPULATE
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+def _os_pread_copy(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """preadv for platforms without it: one pread, then a copy."""
+    data = os.pread(fd, len(buffers[0]), offset)
+    buffers[0][: len(data)] = data
+    return len(data)
+
+
+# A module-level hook so tests can force the O_DIRECT fallback of a read.
+_preadv = getattr(os, "preadv", _os_pread_copy)
+
+
+def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Fill `buf` from `offset`, one positional read (more only if the kernel returns short)."""
+    view = memoryview(buf)
+    done = 0
+    while done < len(view):
+        got = _preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise EOFError
+        done += got
