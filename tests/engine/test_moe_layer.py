@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_close
 
 from waste.config import ModelConfig, parse_config, preset_dict
-from waste.engine.experts import Arrivals
+from waste.engine.expert_store import Arrivals
 from waste.engine.moe_layer import DenseFFN, MoELayer
 from waste.errors import WasteError
 from waste.kernels.quant import QMatrix, quantize

@@ -40,7 +40,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from waste.engine.experts import GUESS_LAYERS, ExpertStore, MmapExpertStore
+from waste.engine.expert_store import ExpertStore, MmapExpertStore
+from waste.engine.experts import GUESS_LAYERS
 from waste.engine.kda_layer import KDALayer
 from waste.engine.latent_moe import LatentMoELayer
 from waste.engine.mla_layer import MLALayer
