@@ -32,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from waste.config import ModelConfig
+from waste.engine.expert_cache import Expert
 from waste.errors import WasteError
 from waste.kernels.moe import (
     ROUTER_WEIGHTS,
@@ -47,7 +48,6 @@ from waste.kernels.quant import QMatrix
 
 GetMatrix = Callable[[str], QMatrix]
 GetTensor = Callable[[str], np.ndarray]
-Expert = tuple[QMatrix, QMatrix, QMatrix]
 ExpertMLP = Callable[[np.ndarray, QMatrix, QMatrix, QMatrix], np.ndarray]  # (x, gate, up, down) -> y
 
 
