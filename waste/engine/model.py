@@ -247,6 +247,9 @@ class Model:
             return None
 
         def guess() -> None:
+            # Each layer is guessed from each of the GUESS_LAYERS layers before it: the nearer
+            # guess, from a fresher residual stream, adds the experts the farther one missed (the
+            # store skips those already read or under way).
             nxt = self._next_moe.get(layer)
             for _ in range(GUESS_LAYERS):
                 if nxt is None:
