@@ -45,7 +45,7 @@ from common import at_threads, best_seconds, cycle, machine_info, rotation, thre
 from waste.jit import parallel_kernel, prange
 from waste.kernels import int8_blocks
 from waste.kernels import quant as qk
-from waste.kernels.int8_blocks import ISA, TOKEN_TILE
+from waste.kernels.int8_blocks import ISA
 from waste.qformat import BLOCK_BYTES, GROUP, QMAX, ROWS, SCALE_EXPONENT, bits_per_weight
 from waste.reference.quant import reference_quantize
 
@@ -422,9 +422,11 @@ LOWERING_SHAPES = [s for s in SHAPES if s[0] != "lm_head"]
 
 def _lowering_product(isa: str) -> Callable[..., None]:
     """Y [T, 16NB] = X W^T for q8g / q4g codes through the blocks as lowered for `isa`: the
-    engine's driver (activations quantised once, row blocks in parallel) without its serial
-    shortcuts, so two lowerings are timed in identical drivers."""
-    tile, one = int8_blocks._make_block(TOKEN_TILE, isa), int8_blocks._make_block(1, isa)
+    engine's driver (activations quantised once, row blocks in parallel, each lowering's token
+    tiles) without its serial shortcuts, so two lowerings are timed in the same driver."""
+    size_of, small_size = int8_blocks.make_tile_size(isa), int8_blocks.SMALL_TILE
+    tile, small = int8_blocks._make_block(None, isa), int8_blocks._make_block(small_size, isa)
+    one = int8_blocks._make_block(1, isa)
 
     @parallel_kernel
     def product(X, qs, scales, tscale, Y):
@@ -435,10 +437,13 @@ def _lowering_product(isa: str) -> Callable[..., None]:
         for t in prange(T):
             qk._quantize_token(X, t, xq, xsum, xs)
         for b in prange(qs.shape[0]):
-            t = 0
-            while t + TOKEN_TILE <= T:
+            t, size = 0, size_of(qs, scales)
+            while t + size <= T:
                 tile(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += TOKEN_TILE
+                t += size
+            while t + small_size <= T:
+                small(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
+                t += small_size
             while t < T:
                 one(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
                 t += 1

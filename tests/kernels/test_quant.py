@@ -139,18 +139,23 @@ def test_unquantised_product_matches_reference(fmt: str) -> None:
 
 
 def _driver(isa: str):
-    """A serial driver over the blocks as lowered for one instruction set."""
-    tile = int8_blocks._make_block(int8_blocks.TOKEN_TILE, isa)
+    """A serial driver over the blocks as lowered for one instruction set, in the tiles the engine
+    uses with that lowering (`int8_blocks.token_tile`, then SMALL_TILE, then single tokens)."""
+    size_of, small_size = int8_blocks.make_tile_size(isa), int8_blocks.SMALL_TILE
+    tile, small = int8_blocks._make_block(None, isa), int8_blocks._make_block(small_size, isa)
     one = int8_blocks._make_block(1, isa)
 
     @kernel
     def drive(qs, scales, tscale, xq, xsum, xs, Y):
         T = xq.shape[0]
         for b in range(qs.shape[0]):
-            t = 0
-            while t + 4 <= T:
+            t, size = 0, size_of(qs, scales)
+            while t + size <= T:
                 tile(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += 4
+                t += size
+            while t + small_size <= T:
+                small(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
+                t += small_size
             while t < T:
                 one(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
                 t += 1
@@ -166,7 +171,8 @@ HOST_ISAS = int8_blocks.ISAS[int8_blocks.ISAS.index(int8_blocks.ISA):]
 @pytest.mark.parametrize("fmt", (*QFORMATS, "mxfp4"))
 def test_every_lowering_gives_the_same_bits(fmt: str, isa: str) -> None:
     rng = np.random.default_rng(4)
-    N, K, T = 40, 96 if fmt == "mxfp4" else 100, 6
+    # 14 tokens: a tile of 8 (AVX-512), one of 4 and 2 single tokens; 3 tiles of 4 and 2 single ones elsewhere
+    N, K, T = 40, 96 if fmt == "mxfp4" else 100, 14
     m = quantize(rng.standard_normal((N, K)), fmt)
     X = rng.standard_normal((T, K)).astype(np.float32)
     G = -(-K // 32)
