@@ -106,7 +106,7 @@ def test_activation_codes_match_reference() -> None:
     assert np.all(xq[:, 70:] == 0)
 
 
-SHAPES = [(37, 70, 9), (16, 32, 1), (4, 16, 5), (1, 33, 4), (96, 320, 13)]
+SHAPES = [(37, 70, 9), (16, 32, 1), (4, 16, 5), (1, 33, 4), (96, 320, 13), (64, 288, 29)]  # 29 = 16 + 8 + 4 + 1
 
 
 @pytest.mark.parametrize("fmt", QFORMATS)
@@ -140,19 +140,24 @@ def test_unquantised_product_matches_reference(fmt: str) -> None:
 
 def _driver(isa: str):
     """A serial driver over the blocks as lowered for one instruction set, in the tiles the engine
-    uses with that lowering (`int8_blocks.token_tile`, then SMALL_TILE, then single tokens)."""
-    size_of, small_size = int8_blocks.make_tile_size(isa), int8_blocks.SMALL_TILE
-    tile, small = int8_blocks._make_block(None, isa), int8_blocks._make_block(small_size, isa)
+    uses with that lowering (`int8_blocks.token_tiles`, then SMALL_TILE, then single tokens)."""
+    large_of, middle_of = (int8_blocks.make_tile_size(isa, w) for w in (int8_blocks.LARGE, int8_blocks.MIDDLE))
+    large, middle = (int8_blocks._make_block(w, isa, by_format=True) for w in (int8_blocks.LARGE, int8_blocks.MIDDLE))
+    small_size = int8_blocks.SMALL_TILE
+    small = int8_blocks._make_block(small_size, isa)
     one = int8_blocks._make_block(1, isa)
 
     @kernel
     def drive(qs, scales, tscale, xq, xsum, xs, Y):
         T = xq.shape[0]
         for b in range(qs.shape[0]):
-            t, size = 0, size_of(qs, scales)
-            while t + size <= T:
-                tile(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += size
+            t, large_size, middle_size = 0, large_of(qs, scales), middle_of(qs, scales)
+            while t + large_size <= T:
+                large(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
+                t += large_size
+            while t + middle_size <= T:
+                middle(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
+                t += middle_size
             while t + small_size <= T:
                 small(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
                 t += small_size
@@ -171,8 +176,8 @@ HOST_ISAS = int8_blocks.ISAS[int8_blocks.ISAS.index(int8_blocks.ISA):]
 @pytest.mark.parametrize("fmt", (*QFORMATS, "mxfp4"))
 def test_every_lowering_gives_the_same_bits(fmt: str, isa: str) -> None:
     rng = np.random.default_rng(4)
-    # 14 tokens: a tile of 8 (AVX-512), one of 4 and 2 single tokens; 3 tiles of 4 and 2 single ones elsewhere
-    N, K, T = 40, 96 if fmt == "mxfp4" else 100, 14
+    # 31 tokens: on AVX-512 a tile of 16, one of 8 (q4g: 4 + 4 + 4), one of 4 and 3 single tokens
+    N, K, T = 40, 96 if fmt == "mxfp4" else 100, 31
     m = quantize(rng.standard_normal((N, K)), fmt)
     X = rng.standard_normal((T, K)).astype(np.float32)
     G = -(-K // 32)

@@ -220,18 +220,18 @@ def _format_of(qs: types.Type, scales: types.Type) -> str | None:
     return _FORMAT_OF_DTYPES.get((getattr(qs, "dtype", None), getattr(scales, "dtype", None)))
 
 
-def _make_block(tile: int | None, isa: str):
+def _make_block(tile: int, isa: str, *, by_format: bool = False):
     """An intrinsic block(qs, scales, xq, xsum, xs, Y, tscale, b, t0) that writes
-    Y[t0:t0+tokens, 16b:16b+16] for row block b, tokens = `tile`, or the format's
-    `token_tile` when `tile` is None; arrays as in _q_product, C-contiguous. The codes' and
-    scales' dtypes pick the format at compile time (_FORMAT_OF_DTYPES)."""
+    Y[t0:t0+tokens, 16b:16b+16] for row block b, tokens = `tile`, or with `by_format` the
+    format's `token_tiles(isa, format)[tile]`; arrays as in _q_product, C-contiguous. The codes'
+    and scales' dtypes pick the format at compile time (_FORMAT_OF_DTYPES)."""
 
     @intrinsic
     def block(typingctx, qs, scales, xq, xsum, xs, Y, tscale, b, t0):
         fmt = _format_of(qs, scales)
         if fmt is None:
             return None
-        tokens = tile if tile is not None else token_tile(isa, fmt)
+        tokens = token_tiles(isa, fmt)[tile] if by_format else tile
         dot_isa = dot_lowering(isa, fmt)
         # The signed dot sums the codes' own products: no offset to take back out.
         offset = 0 if dot_isa == "avx2_signed" else CODE_OFFSET[fmt]
@@ -339,31 +339,34 @@ def _make_block(tile: int | None, isa: str):
     return block
 
 
-SMALL_TILE = 4  # what is left of a chunk after the full tiles goes 4 tokens at a time, then 1
-# Formats whose products take 8-token tiles where AVX-512 has 32 vector registers (8 tokens'
-# integer and float accumulators fit beside the codes; AVX2 has 16, so 4 there). Measured on
-# this Xeon (VNNI, 3072 x 3584, 13-32 tokens, 1 and 2 threads): q8g 5-12% and mxfp4 0-6% less
-# time at 8 than at 4 (their per-chunk work, the sign flip or the nibble lookup, is shared by
-# more tokens), q4g 2-5% more, so q4g keeps 4.
-WIDE_TILE_FORMATS = ("q8g", "mxfp4")
+SMALL_TILE = 4  # what is left after the tiles goes 4 tokens at a time, then 1
+# (large, middle) tiles of a product on AVX-512 hosts (32 vector registers), by format: a
+# chunk of T tokens runs in large tiles, then middle ones, then SMALL_TILE, then single tokens.
+# One pass over a weight chunk (its load and its sign flip or nibble lookup) feeds every token
+# of a tile. Measured on this Xeon (VNNI; 3072 x 3584; 8-64 tokens; ms per 32 tokens, 2
+# threads), against 4-token tiles: 16 then 8 took 15-22% less time from 16 tokens up in q8g
+# and mxfp4, 13-17% in q4g; at 8-13 tokens, 8-token tiles helped q8g (10-15%) and mxfp4 (0-4%)
+# but cost q4g 3-4%, so q4g's middle tile is 4. 32-token tiles were slower than 16 (spills).
+# AVX2 hosts (16 registers) keep 4 throughout, as before.
+AVX512_TILES = {"q8g": (16, 8), "mxfp4": (16, 8), "q4g": (16, 4)}
 
 
-def token_tile(isa: str, fmt: str) -> int:
-    """Tokens that share one pass over a weight block in a product of format `fmt` through
-    `isa`'s lowering. Each token's arithmetic is the same in any tile: the same bits."""
-    return 8 if isa in ("vbmi", "vnni") and fmt in WIDE_TILE_FORMATS else SMALL_TILE
+def token_tiles(isa: str, fmt: str) -> tuple[int, int]:
+    """(large, middle) tile of a product of format `fmt` through `isa`'s lowering. Each token's
+    arithmetic is the same in any tile: the same bits."""
+    return AVX512_TILES[fmt] if isa in ("vbmi", "vnni") else (SMALL_TILE, SMALL_TILE)
 
 
-def make_tile_size(isa: str):
-    """An intrinsic tile_size(qs, scales) -> the constant `token_tile(isa, format)` of the
-    codes' and scales' format: the step of a driver's loop over `_make_block(None, isa)`."""
+def make_tile_size(isa: str, which: int):
+    """An intrinsic tile_size(qs, scales) -> the constant `token_tiles(isa, format)[which]` of the
+    codes' and scales' format: the step of a driver's loop over `_make_block(which, isa)`."""
 
     @intrinsic
     def tile_size(typingctx, qs, scales):
         fmt = _format_of(qs, scales)
         if fmt is None:
             return None
-        n = token_tile(isa, fmt)
+        n = token_tiles(isa, fmt)[which]
 
         def codegen(context, builder, signature, args):
             return context.get_constant(types.intp, n)
@@ -373,8 +376,11 @@ def make_tile_size(isa: str):
     return tile_size
 
 
+LARGE, MIDDLE = 0, 1  # which of token_tiles
 ISA = _host_isa()
-tile_size = make_tile_size(ISA)
-block_tile = _make_block(None, ISA)
+large_tile = make_tile_size(ISA, LARGE)
+middle_tile = make_tile_size(ISA, MIDDLE)
+block_large = _make_block(LARGE, ISA, by_format=True)
+block_middle = _make_block(MIDDLE, ISA, by_format=True)
 block_small = _make_block(SMALL_TILE, ISA)
 block_one = _make_block(1, ISA)

@@ -48,7 +48,15 @@ from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels import mxfp4
 from waste.kernels.bf16 import bf16_matmul
-from waste.kernels.int8_blocks import SMALL_TILE, block_one, block_small, block_tile, tile_size
+from waste.kernels.int8_blocks import (
+    SMALL_TILE,
+    block_large,
+    block_middle,
+    block_one,
+    block_small,
+    large_tile,
+    middle_tile,
+)
 from waste.kernels.quantize import quantize_grouped
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
 
@@ -359,18 +367,21 @@ SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 # Numba's cache keys _rows (and _q_products below) on this file alone, though they inline the
 # blocks' generated code: a change to int8_blocks' lowerings must change this file too, or cached
 # kernels keep the old code (the last such change: mxfp4's nibble lookup with vpermb on
-# AVX512_VBMI hosts; then 8-token tiles for q8g and mxfp4 on AVX-512).
+# AVX512_VBMI hosts; then 16-token tiles on AVX-512).
 @kernel
 def _rows(qs, scales, xq, xsum, xs, Y, ts, b):
-    """Row block b of Y for all tokens: tiles of the format's tile size (int8_blocks.token_tile),
-    then of SMALL_TILE, then one at a time (a MoE expert's rows of a prefill chunk are often not
-    a multiple of the tile)."""
+    """Row block b of Y for all tokens: large tiles, then middle ones (the format's, from
+    int8_blocks.token_tiles), then SMALL_TILE, then one at a time (a MoE expert's rows of a
+    prefill chunk are rarely a multiple of the tile)."""
     T = Y.shape[0]
-    size = tile_size(qs, scales)
+    large, middle = large_tile(qs, scales), middle_tile(qs, scales)
     t = 0
-    while t + size <= T:
-        block_tile(qs, scales, xq, xsum, xs, Y, ts, b, t)
-        t += size
+    while t + large <= T:
+        block_large(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        t += large
+    while t + middle <= T:
+        block_middle(qs, scales, xq, xsum, xs, Y, ts, b, t)
+        t += middle
     while t + SMALL_TILE <= T:
         block_small(qs, scales, xq, xsum, xs, Y, ts, b, t)
         t += SMALL_TILE
