@@ -424,11 +424,7 @@ def _lowering_product(isa: str) -> Callable[..., None]:
     """Y [T, 16NB] = X W^T for q8g / q4g codes through the blocks as lowered for `isa`: the
     engine's driver (activations quantised once, row blocks in parallel, each lowering's token
     tiles) without its serial shortcuts, so two lowerings are timed in the same driver."""
-    large_of, middle_of = (int8_blocks.make_tile_size(isa, w) for w in (int8_blocks.LARGE, int8_blocks.MIDDLE))
-    large, middle = (int8_blocks._make_block(w, isa, by_format=True) for w in (int8_blocks.LARGE, int8_blocks.MIDDLE))
-    small_size = int8_blocks.SMALL_TILE
-    small = int8_blocks._make_block(small_size, isa)
-    one = int8_blocks._make_block(1, isa)
+    rows = int8_blocks.make_rows(isa)
 
     @parallel_kernel
     def product(X, qs, scales, tscale, Y):
@@ -439,19 +435,7 @@ def _lowering_product(isa: str) -> Callable[..., None]:
         for t in prange(T):
             qk._quantize_token(X, t, xq, xsum, xs)
         for b in prange(qs.shape[0]):
-            t, large_size, middle_size = 0, large_of(qs, scales), middle_of(qs, scales)
-            while t + large_size <= T:
-                large(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += large_size
-            while t + middle_size <= T:
-                middle(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += middle_size
-            while t + small_size <= T:
-                small(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += small_size
-            while t < T:
-                one(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += 1
+            rows(qs, scales, xq, xsum, xs, Y, tscale[0], b)
 
     return product
 

@@ -140,30 +140,13 @@ def test_unquantised_product_matches_reference(fmt: str) -> None:
 
 def _driver(isa: str):
     """A serial driver over the blocks as lowered for one instruction set, in the tiles the engine
-    uses with that lowering (`int8_blocks.token_tiles`, then SMALL_TILE, then single tokens)."""
-    large_of, middle_of = (int8_blocks.make_tile_size(isa, w) for w in (int8_blocks.LARGE, int8_blocks.MIDDLE))
-    large, middle = (int8_blocks._make_block(w, isa, by_format=True) for w in (int8_blocks.LARGE, int8_blocks.MIDDLE))
-    small_size = int8_blocks.SMALL_TILE
-    small = int8_blocks._make_block(small_size, isa)
-    one = int8_blocks._make_block(1, isa)
+    uses with that lowering (`int8_blocks.make_rows`)."""
+    rows = int8_blocks.make_rows(isa)
 
     @kernel
     def drive(qs, scales, tscale, xq, xsum, xs, Y):
-        T = xq.shape[0]
         for b in range(qs.shape[0]):
-            t, large_size, middle_size = 0, large_of(qs, scales), middle_of(qs, scales)
-            while t + large_size <= T:
-                large(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += large_size
-            while t + middle_size <= T:
-                middle(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += middle_size
-            while t + small_size <= T:
-                small(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += small_size
-            while t < T:
-                one(qs, scales, xq, xsum, xs, Y, tscale[0], b, t)
-                t += 1
+            rows(qs, scales, xq, xsum, xs, Y, tscale[0], b)
 
     return drive
 

@@ -32,6 +32,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from waste.jit import kernel
 from waste.kernels import mxfp4
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, GROUP, ROWS
 
@@ -377,10 +378,37 @@ def make_tile_size(isa: str, which: int):
 
 
 LARGE, MIDDLE = 0, 1  # which of token_tiles
+
+
+def make_rows(isa: str):
+    """A serial kernel rows(qs, scales, xq, xsum, xs, Y, tscale, b) writing row block b of Y for
+    all tokens through `isa`'s blocks: large tiles, then middle ones (the format's
+    `token_tiles`), then SMALL_TILE, then one at a time (a MoE expert's rows of a prefill chunk
+    are rarely a multiple of the tile). The engine's products use the host's (`quant._rows`);
+    tests and benchmarks build the other lowerings' to compare them in the same tiling."""
+    large_tile, middle_tile = make_tile_size(isa, LARGE), make_tile_size(isa, MIDDLE)
+    block_large, block_middle = _make_block(LARGE, isa, by_format=True), _make_block(MIDDLE, isa, by_format=True)
+    block_small, block_one = _make_block(SMALL_TILE, isa), _make_block(1, isa)
+
+    @kernel
+    def rows(qs, scales, xq, xsum, xs, Y, tscale, b):
+        T = Y.shape[0]
+        large, middle = large_tile(qs, scales), middle_tile(qs, scales)
+        t = 0
+        while t + large <= T:
+            block_large(qs, scales, xq, xsum, xs, Y, tscale, b, t)
+            t += large
+        while t + middle <= T:
+            block_middle(qs, scales, xq, xsum, xs, Y, tscale, b, t)
+            t += middle
+        while t + SMALL_TILE <= T:
+            block_small(qs, scales, xq, xsum, xs, Y, tscale, b, t)
+            t += SMALL_TILE
+        while t < T:
+            block_one(qs, scales, xq, xsum, xs, Y, tscale, b, t)
+            t += 1
+
+    return rows
+
+
 ISA = _host_isa()
-large_tile = make_tile_size(ISA, LARGE)
-middle_tile = make_tile_size(ISA, MIDDLE)
-block_large = _make_block(LARGE, ISA, by_format=True)
-block_middle = _make_block(MIDDLE, ISA, by_format=True)
-block_small = _make_block(SMALL_TILE, ISA)
-block_one = _make_block(1, ISA)

@@ -48,15 +48,7 @@ from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels import mxfp4
 from waste.kernels.bf16 import bf16_matmul
-from waste.kernels.int8_blocks import (
-    SMALL_TILE,
-    block_large,
-    block_middle,
-    block_one,
-    block_small,
-    large_tile,
-    middle_tile,
-)
+from waste.kernels.int8_blocks import ISA, make_rows
 from waste.kernels.quantize import quantize_grouped
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
 
@@ -364,30 +356,12 @@ SERIAL_TOKENS = 4  # tokens quantised serially
 SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 
-# Numba's cache keys _rows (and _q_products below) on this file alone, though they inline the
-# blocks' generated code: a change to int8_blocks' lowerings must change this file too, or cached
-# kernels keep the old code (the last such change: mxfp4's nibble lookup with vpermb on
-# AVX512_VBMI hosts; then 16-token tiles on AVX-512).
-@kernel
-def _rows(qs, scales, xq, xsum, xs, Y, ts, b):
-    """Row block b of Y for all tokens: large tiles, then middle ones (the format's, from
-    int8_blocks.token_tiles), then SMALL_TILE, then one at a time (a MoE expert's rows of a
-    prefill chunk are rarely a multiple of the tile)."""
-    T = Y.shape[0]
-    large, middle = large_tile(qs, scales), middle_tile(qs, scales)
-    t = 0
-    while t + large <= T:
-        block_large(qs, scales, xq, xsum, xs, Y, ts, b, t)
-        t += large
-    while t + middle <= T:
-        block_middle(qs, scales, xq, xsum, xs, Y, ts, b, t)
-        t += middle
-    while t + SMALL_TILE <= T:
-        block_small(qs, scales, xq, xsum, xs, Y, ts, b, t)
-        t += SMALL_TILE
-    while t < T:
-        block_one(qs, scales, xq, xsum, xs, Y, ts, b, t)
-        t += 1
+# Row block b of Y for all tokens, in the host's tiles (int8_blocks.make_rows). Numba's cache
+# keys the kernels that call it (_q_product, _q_products below) on this file alone, though they
+# inline the blocks' generated code: a change to int8_blocks' lowerings must change this file
+# too, or cached kernels keep the old code (the last such change: mxfp4's nibble lookup with
+# vpermb on AVX512_VBMI hosts; then 16-token tiles on AVX-512).
+_rows = make_rows(ISA)
 
 
 @parallel_kernel
