@@ -246,15 +246,21 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
 
 NATIVE = host_has_bf16_dot()
 _HOST_FMA = "fma" in _host_features()
+# Rows sharing a chunk's pass over TOKEN_TILE tokens: ROW_TILE x TOKEN_TILE accumulators of 16
+# float32 lanes fit AVX-512's 32 registers (on AVX2 each takes two of 16: one row). On this Xeon
+# (vdpbf16ps, 4096 x 2304, 256 tokens, 2 threads) 21.3 against 23.9 ms with one row; every
+# output is the same sequence of operations either way.
+CHUNK_ROW_TILE = ROW_TILE if "avx512f" in _host_features() else 1
 _rows_tile = make_tile(ROW_TILE, 1)
 _tokens_tile = make_tile(1, TOKEN_TILE)
+_block_tile = make_tile(CHUNK_ROW_TILE, TOKEN_TILE)
 _one = make_tile(1, 1)
 
 
 @kernel
 def _row_block(w, xs, Y, n0, n1):
-    """Rows n0 .. n1 - 1 of Y for every token: tiles of 4 tokens by one row, the token tiles
-    outside so that the block's rows stay in cache while the activations pass once."""
+    """Rows n0 .. n1 - 1 of Y for every token: tiles of 4 tokens by CHUNK_ROW_TILE rows, the
+    token tiles outside so that the block's rows stay in cache while the activations pass once."""
     T = Y.shape[0]
     if T == 1:
         n = n0
@@ -266,8 +272,12 @@ def _row_block(w, xs, Y, n0, n1):
         return
     t = 0
     while t + TOKEN_TILE <= T:
-        for n in range(n0, n1):
-            _tokens_tile(w, xs, Y, n, t)
+        n = n0
+        while n + CHUNK_ROW_TILE <= n1:
+            _block_tile(w, xs, Y, n, t)
+            n += CHUNK_ROW_TILE
+        for m in range(n, n1):
+            _tokens_tile(w, xs, Y, m, t)
         t += TOKEN_TILE
     for u in range(t, T):
         for n in range(n0, n1):
