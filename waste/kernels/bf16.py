@@ -1,4 +1,5 @@
-"""Products with bfloat16 weights: the arithmetic of AVX512_BF16's `vdpbf16ps`, on any CPU.
+"""Products with bfloat16 weights: the arithmetic of AVX512_BF16's `vdpbf16ps`, on any CPU;
+and, through the same tiles, products with float32 weights (`f32_matmul`, at the end).
 
 A bf16 matrix `[N, K]` (uint16 bits) multiplies activations that are first rounded to
 bfloat16 (`round_to_bf16`: round to nearest even, subnormals to zero, as `vcvtneps2bf16`).
@@ -19,7 +20,7 @@ float32's smallest normal (2**-126) in magnitude; below it `vdpbf16ps` flushes t
 Activations rounded to bf16 are what llama.cpp's bf16 products also multiply; the relative
 error this adds to a product is about 2**-9 / sqrt(3) of |W| |x| per term, averaged over K.
 
-Shapes: w [N, K] uint16, X [T, K] float32, Y [T, N] float32.
+Shapes: w [N, K] uint16 (float32 for `f32_matmul`), X [T, K] float32, Y [T, N] float32.
 """
 
 from __future__ import annotations
@@ -144,20 +145,23 @@ def _lane_sum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
 
 
 def make_tile(rows: int, tokens: int):
-    """An intrinsic tile(w, xs, Y, n0, t0) writing Y[t0:t0+tokens, n0:n0+rows] for bf16 weights
-    w [N, K]. The activations' dtype picks the code path when it compiles: uint16 xs [T, Kp]
-    (bf16 bits, `round_to_bf16`) runs vdpbf16ps; float32 xs [T, Kp] (`split_pairs` of those
-    bits) runs the portable path."""
+    """An intrinsic tile(w, xs, Y, n0, t0) writing Y[t0:t0+tokens, n0:n0+rows]. The dtypes pick
+    the code path when it compiles: bf16 weights w [N, K] uint16 with uint16 xs [T, Kp] (bf16
+    bits, `round_to_bf16`) run vdpbf16ps, with float32 xs [T, Kp] (`split_pairs` of those bits)
+    the portable path; float32 weights w [N, K] with float32 xs [T, K] (the activations as they
+    are) run the float32 product (`f32_matmul`)."""
 
     @intrinsic
     def tile(typingctx, w, xs, Y, n0, t0):
-        if not isinstance(xs, types.Array) or xs.dtype not in (types.uint16, types.float32):
+        if not isinstance(w, types.Array) or not isinstance(xs, types.Array):
             return None
-        native = xs.dtype == types.uint16
+        mode = {(types.uint16, types.uint16): "native", (types.uint16, types.float32): "portable",
+                (types.float32, types.float32): "f32"}.get((w.dtype, xs.dtype))
+        if mode is None:
+            return None
         arrays = (w, xs, Y)
-        dtypes = (types.uint16, xs.dtype, types.float32)
-        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == d
-                   for a, d in zip(arrays, dtypes, strict=True)):
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays) \
+                or Y.dtype != types.float32:
             return None
         sig = types.void(*arrays, types.intp, types.intp)
 
@@ -181,41 +185,62 @@ def make_tile(rows: int, tokens: int):
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(tokens)]
                     for _ in range(rows)]
 
-            def step(words: list[ir.Value], k: ir.Value) -> None:
-                halves = [] if native else [_pair_halves(builder, wv) for wv in words]
+            def step(words: list, xload) -> None:
+                """One block of 32 inputs: words[r] is row r's weights (an i32 vector of bf16 pairs,
+                or f32's two halves); xload(t) token t's activations in the matching form."""
+                halves = [_pair_halves(builder, wv) for wv in words] if mode == "portable" else words
                 for t in range(tokens):
-                    xk = builder.add(xrow[t], k)
-                    if native:
-                        xw = load(xs_, xk, _VI, 2)
-                    else:
-                        xo, xe = load(xs_, xk, _VF, 4), load(xs_, builder.add(xk, c(LANES)), _VF, 4)
+                    x = xload(t)
                     for r in range(rows):
                         acc = builder.load(accs[r][t])
-                        if native:
-                            acc = _dpbf16ps(builder, acc, words[r], xw)
+                        if mode == "native":
+                            acc = _dpbf16ps(builder, acc, words[r], x)
                         else:
-                            acc = _fma(builder, halves[r][0], xo, acc)
-                            acc = _fma(builder, halves[r][1], xe, acc)
+                            # bf16 pairs: odd inputs, then even (split_pairs puts odds first);
+                            # f32: inputs 0-15, then 16-31
+                            acc = _fma(builder, halves[r][0], x[0], acc)
+                            acc = _fma(builder, halves[r][1], x[1], acc)
                         builder.store(acc, accs[r][t])
+
+            def xs_at(k: ir.Value, mask: ir.Value | None = None):
+                def xload(t: int):
+                    xk = builder.add(xrow[t], k)
+                    if mode == "native":
+                        return load(xs_, xk, _VI, 2)
+                    if mask is not None:  # f32's last partial block: its activations are not padded
+                        return _masked_halves(builder, xs_.data, xk, mask)
+                    return load(xs_, xk, _VF, 4), load(xs_, builder.add(xk, c(LANES)), _VF, 4)
+                return xload
 
             full = builder.udiv(K, c(PAIR_BLOCK))
             with cgutils.for_range(builder, full) as loop:
                 k = builder.mul(loop.index, c(PAIR_BLOCK))
-                step([load(w_, builder.add(wrow[r], k), _VI, 2) for r in range(rows)], k)
-            # The row's last partial block: a masked load, zeros past K (x is zero there too).
+                if mode == "f32":
+                    words = [(load(w_, builder.add(wrow[r], k), _VF, 4),
+                              load(w_, builder.add(builder.add(wrow[r], k), c(LANES)), _VF, 4)) for r in range(rows)]
+                else:
+                    words = [load(w_, builder.add(wrow[r], k), _VI, 2) for r in range(rows)]
+                step(words, xs_at(k))
+            # The row's last partial block: a masked load, zeros past K (x is zero there too:
+            # padded for bf16, masked for f32).
             k = builder.mul(full, c(PAIR_BLOCK))
             rest = builder.sub(K, k)
             with builder.if_then(builder.icmp_signed(">", rest, c(0))):
                 lanes = ir.Constant(ir.VectorType(intp, PAIR_BLOCK), list(range(PAIR_BLOCK)))
                 mask = builder.icmp_signed("<", lanes, _splat(builder, rest, PAIR_BLOCK))
-                load_type = ir.FunctionType(_VH, [_VH.as_pointer(), _I32, ir.VectorType(_I1, PAIR_BLOCK), _VH])
-                masked_load = cgutils.get_or_insert_function(builder.module, load_type, "llvm.masked.load.v32i16.p0")
-                words = []
-                for r in range(rows):
-                    ptr = builder.bitcast(builder.gep(w_.data, [builder.add(wrow[r], k)]), _VH.as_pointer())
-                    half = builder.call(masked_load, [ptr, ir.Constant(_I32, 2), mask, ir.Constant(_VH, None)])
-                    words.append(builder.bitcast(half, _VI))
-                step(words, k)
+                if mode == "f32":
+                    words = [_masked_halves(builder, w_.data, builder.add(wrow[r], k), mask) for r in range(rows)]
+                    step(words, xs_at(k, mask))
+                else:
+                    load_type = ir.FunctionType(_VH, [_VH.as_pointer(), _I32, ir.VectorType(_I1, PAIR_BLOCK), _VH])
+                    masked_load = cgutils.get_or_insert_function(builder.module, load_type,
+                                                                 "llvm.masked.load.v32i16.p0")
+                    words = []
+                    for r in range(rows):
+                        ptr = builder.bitcast(builder.gep(w_.data, [builder.add(wrow[r], k)]), _VH.as_pointer())
+                        half = builder.call(masked_load, [ptr, ir.Constant(_I32, 2), mask, ir.Constant(_VH, None)])
+                        words.append(builder.bitcast(half, _VI))
+                    step(words, xs_at(k))
             for r in range(rows):
                 for t in range(tokens):
                     out = builder.gep(y_.data, [builder.add(builder.mul(builder.add(t0_, c(t)), N),
@@ -228,9 +253,25 @@ def make_tile(rows: int, tokens: int):
     return tile
 
 
+def _masked_halves(builder: ir.IRBuilder, data: ir.Value, index: ir.Value, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """float32 data[index : index + 32] as two 16-lane vectors, lanes where `mask` [32] is false
+    read as zero (never touched)."""
+    load_type = ir.FunctionType(_VF, [_VF.as_pointer(), _I32, ir.VectorType(_I1, LANES), _VF])
+    masked_load = cgutils.get_or_insert_function(builder.module, load_type, "llvm.masked.load.v16f32.p0")
+    out = []
+    for half in range(2):
+        part = builder.shuffle_vector(mask, mask, ir.Constant(ir.VectorType(_I32, LANES),
+                                                                list(range(half * LANES, (half + 1) * LANES))))
+        ptr = builder.bitcast(builder.gep(data, [builder.add(index, ir.Constant(index.type, half * LANES))]),
+                              _VF.as_pointer())
+        out.append(builder.call(masked_load, [ptr, ir.Constant(_I32, 4), part, ir.Constant(_VF, None)]))
+    return out[0], out[1]
+
+
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:
     """acc + a * b. The product of two bf16 values is exact in float32, so a fused and an
-    unfused multiply-add give the same bits; the fused one is a single instruction."""
+    unfused multiply-add give the same bits; the fused one is a single instruction. float32
+    products differ fused and unfused: a host uses one of them for every tile alike."""
     if not _HOST_FMA:
         return builder.fadd(acc, builder.fmul(a, b))
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
@@ -288,9 +329,10 @@ def _row_block(w, xs, Y, n0, n1):
 def _run_blocks(w, xs, Y):
     """The row blocks of Y [T, N] in parallel (serially when the product is small)."""
     N = w.shape[0]
-    rows = ROW_TILE if Y.shape[0] == 1 else max(1, CHUNK_BLOCK_BYTES // (2 * w.shape[1]) // ROW_TILE) * ROW_TILE
+    row_bytes = w.shape[1] * w.itemsize
+    rows = ROW_TILE if Y.shape[0] == 1 else max(1, CHUNK_BLOCK_BYTES // row_bytes // ROW_TILE) * ROW_TILE
     blocks = (N + rows - 1) // rows
-    if w.size * 2 * Y.shape[0] <= SERIAL_BYTES:
+    if w.size * w.itemsize * Y.shape[0] <= SERIAL_BYTES:
         for i in range(blocks):
             _row_block(w, xs, Y, i * rows, min(N, i * rows + rows))
     else:
@@ -307,4 +349,16 @@ def bf16_matmul(w: np.ndarray, X: np.ndarray, *, native: bool = NATIVE) -> np.nd
     (_round_rows if native else _round_split)(X, xs)
     Y = np.empty((X.shape[0], w.shape[0]), np.float32)
     _run_blocks(w, xs, Y)
+    return Y
+
+
+def f32_matmul(w: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """Y [T, N] float32 = X W^T for float32 w [N, K] and X [T, K] (C-contiguous), through the
+    same tiles as the bf16 products: per output, 16 lanes each adding input k's product, then
+    input k + 16's, over every block of 32 inputs (fused multiply-adds where the host has them),
+    then summed as a tree. Every output is that sequence whatever the number of tokens, so a
+    chunk equals its tokens one by one bit for bit (prefill is chunk-invariant and equals
+    decode), which BLAS, picking its kernels by the row count, is not (issue 13)."""
+    Y = np.empty((X.shape[0], w.shape[0]), np.float32)
+    _run_blocks(w, X, Y)
     return Y

@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels import mxfp4
-from waste.kernels.bf16 import bf16_matmul
+from waste.kernels.bf16 import bf16_matmul, f32_matmul
 from waste.kernels.int8_blocks import ISA, make_rows
 from waste.kernels.quantize import quantize_grouped
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
@@ -101,9 +101,7 @@ class QMatrix:
             raise WasteError(f"{self.fmt} matrix {self.shape}: matvec input must have shape ({self.shape[1]},), "
                              f"got {x.shape}")
         if self.fmt == "f32":
-            y = np.empty((1, self.shape[0]), np.float32)
-            _f32_product(self.buffers["w"], np.ascontiguousarray(x, np.float32).reshape(1, -1), y)
-            return y[0]
+            return f32_matmul(self.buffers["w"], np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
         if self.fmt == "bf16":
             return bf16_matmul(self.buffers["w"], np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
         return _qproduct(self, np.ascontiguousarray(x, np.float32).reshape(1, -1))[0]
@@ -116,9 +114,7 @@ class QMatrix:
             raise WasteError(f"{self.fmt} matrix {self.shape}: matmul input must have shape [T, {k}], got {X.shape}")
         X = np.ascontiguousarray(X, np.float32)
         if self.fmt == "f32":
-            Y = np.empty((X.shape[0], n), np.float32)
-            _f32_product(self.buffers["w"], X, Y)
-            return Y
+            return f32_matmul(self.buffers["w"], X)
         if self.fmt == "bf16":
             return bf16_matmul(self.buffers["w"], X)
         return _qproduct(self, X)
@@ -279,23 +275,6 @@ def quantization_snr_db(w: np.ndarray, fmt: str, x: np.ndarray) -> float:
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bits [..] uint16 -> float32: the upper half of a float32."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-# f32 products run here rather than in BLAS, for one token and for a chunk alike: every output
-# is the same k-ordered sum whatever the number of tokens, so prefill is chunk-invariant bit for
-# bit and equals decode (BLAS picks its kernels by the row count, issue 13). BLAS is held to one
-# thread (waste.jit); on all cores this ran 4096 x 2304 for one token in half its time.
-@parallel_kernel
-def _f32_product(w, X, Y):
-    """Y[T, N] = X W^T with W float32 [N, K], X [T, K]."""
-    N, K = w.shape
-    T = X.shape[0]
-    for n in prange(N):
-        for t in range(T):
-            s = np.float32(0.0)
-            for k in range(K):
-                s += w[n, k] * X[t, k]
-            Y[t, n] = s
 
 
 # -- activations --------------------------------------------------------------------------------
