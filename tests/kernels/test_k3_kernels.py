@@ -44,6 +44,18 @@ def test_situ_by_hand() -> None:
     np.testing.assert_array_equal(moe.situ(g, u, 1.0, None), moe.situ(g, u, None, None))
 
 
+def test_tanh_is_within_three_ulp_everywhere() -> None:
+    # Near 0 (where 1 - exp(-2y) would cancel), tiny values and saturation.
+    y = np.concatenate([np.linspace(-20, 20, 200_001), np.linspace(0.12, 0.13, 10_001),
+                        np.geomspace(1e-38, 1.0, 10_001), [np.inf]]).astype(np.float32)
+    y = np.concatenate([y, -y])
+    got = np.array([moe._tanh(v) for v in y[:: 7]], np.float32)
+    exact = np.tanh(y[:: 7].astype(np.float64))
+    ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got - exact) <= 3 * ulp), np.max(np.abs(got - exact) / ulp)
+    assert np.isnan(moe._tanh(np.float32(np.nan)))
+
+
 @pytest.mark.parametrize(("beta", "linear_beta"), [(None, None), (4.0, 25.0), (0.5, None), (None, 3.0)])
 def test_situ_matches_reference(beta: float | None, linear_beta: float | None) -> None:
     rng = np.random.default_rng(11)
