@@ -69,6 +69,16 @@ def test_situ_matches_reference(beta: float | None, linear_beta: float | None) -
     _situ_close(out.reshape(g.shape), ref.situ(g, u, beta, linear_beta))
 
 
+def test_situ_on_all_cores_gives_the_serial_bits() -> None:
+    # Past SITU_BLOCK elements situ runs in blocks on all cores; a partial last block included.
+    rng = np.random.default_rng(12)
+    g, u = (rng.standard_normal((3, moe.SITU_BLOCK + 123)) * 4).astype(np.float32)[:2]
+    for betas in ((None, None), (4.0, 25.0)):
+        serial = np.full(g.size, np.nan, np.float32)
+        moe._situ(g.ravel(), u.ravel(), *moe.situ_betas(*betas), serial)
+        np.testing.assert_array_equal(moe.situ(g, u, *betas).ravel(), serial)
+
+
 @pytest.mark.parametrize("fmt", ["f32", "mxfp4"])
 def test_situ_mlp_matches_reference(fmt: str) -> None:
     rng = np.random.default_rng(12)
