@@ -12,6 +12,7 @@ import pytest
 from conftest import assert_close
 
 from waste.config import ModelConfig, parse_config, preset_dict
+from waste.engine import moe_layer
 from waste.engine.expert_store import Arrivals
 from waste.engine.moe_layer import DenseFFN, MoELayer
 from waste.errors import WasteError
@@ -232,6 +233,34 @@ def test_decode_of_q_experts_equals_one_expert_at_a_time(fmt: str, act: int, sha
         want += weights[0, ids[0].tolist().index(e)] * layer.mlp(x, *experts[LAYER, e])
     want += layer.mlp(x, *layer.shared)
     for source in (FakeStore(experts), *(SplitFetchStore(experts, ready) for ready in (0, 2, 5))):
+        y, info = layer.forward(x, source)
+        np.testing.assert_array_equal(info.ids, ids)
+        np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("group_rows", [1024, 7])
+@pytest.mark.parametrize("act", range(len(ACTIVATION_CONFIGS)))
+@pytest.mark.parametrize("fmt", ["q8g", "q4g", "mxfp4"])
+def test_prefill_of_q_experts_equals_one_expert_at_a_time(fmt: str, act: int, group_rows: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's routed experts run in groups (hits together, up to GROUP_ROWS routed rows a
+    group; misses as they arrive) give the bits of each expert's own MLP over its tokens, added
+    in id order, plus the shared experts' (the path before grouping), whatever the store hands
+    out at once and however the groups fall."""
+    monkeypatch.setattr(moe_layer, "GROUP_ROWS", group_rows)
+    cfg = _config(num_experts_per_token=5, **ACTIVATION_CONFIGS[act])
+    rng = np.random.default_rng(29 + act)
+    layer, _, store = _build(cfg, rng)
+    experts = {key: tuple(quantize(m.dequantize(), fmt) for m in e) for key, e in store.experts.items()}
+    T = 37
+    x = (rng.standard_normal((T, cfg.hidden_size)) * rng.uniform(0.1, 10, (T, 1))).astype(np.float32)
+    ids, weights = layer.route(x)
+    want = np.zeros_like(x)
+    for e in np.unique(ids):
+        rows, k = np.nonzero(ids == e)
+        want[rows] += weights[rows, k, None] * layer.mlp(x[rows], *experts[LAYER, int(e)])
+    want += layer.mlp(x, *layer.shared)
+    for source in (FakeStore(experts), *(SplitFetchStore(experts, ready) for ready in (0, 3, 11))):
         y, info = layer.forward(x, source)
         np.testing.assert_array_equal(info.ids, ids)
         np.testing.assert_array_equal(y, want)

@@ -363,11 +363,53 @@ def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int
         np.testing.assert_array_equal(Y[m, :w.shape[0]], w.matvec(X[rows[m]]))
         np.testing.assert_array_equal(Y[m, :w.shape[0]], qk.QBatch([w])(X, rows[m:m + 1])[0, :w.shape[0]])
     batch = qk.QBatch(ms)
-    Y_nan = np.full((M, 1, batch.width), np.nan, np.float32)
-    qk._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan)
+    Y_nan = np.full((M, batch.width), np.nan, np.float32)
+    qk._q_spans(X, rows.astype(np.int64), np.ones(M, np.int64), np.arange(M), batch.table, batch.tscales,
+                batch.first_format, *batch.likes, Y_nan, 2)
     for m, w in enumerate(ms):
-        np.testing.assert_array_equal(Y_nan[m, 0, :w.shape[0]], Y[m, :w.shape[0]])
-        assert np.isfinite(Y_nan[m, 0, :batch.table[m, 2] * 16]).all()
+        np.testing.assert_array_equal(Y_nan[m, :w.shape[0]], Y[m, :w.shape[0]])
+        assert np.isfinite(Y_nan[m, :batch.table[m, 2] * 16]).all()
+
+
+@pytest.mark.parametrize("fmts", [("q8g",), ("q4g",), ("mxfp4",), ("q4g", "q8g")])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q_spans_equal_each_matrix_on_its_rows(fmts: tuple[str, ...], threads: int) -> None:
+    """Matrices each on a run of rows of their own (a prefill's experts on their tokens: empty
+    runs, single rows, runs longer than a tile, runs that overlap or share rows), written to
+    rows of their own in a NaN-filled output: each run equals the matrix's own matmul, bit for
+    bit, and nothing else is written; the same in one part or split in two."""
+    rng = np.random.default_rng(len(fmts) * 10 + threads)
+    K, R = 96, 70
+    counts = [0, 1, 3, 17, 33, 5, 0, 16, 40, 2, 9]
+    ms = [quantize((rng.standard_normal((int(rng.integers(1, 80)), K)) * rng.uniform(0.01, 2)).astype(np.float32),
+                   fmts[m % len(fmts)]) for m in range(len(counts))]
+    X = (rng.standard_normal((R, K)) * rng.uniform(0.05, 30, (R, 1))).astype(np.float32)
+    x_start = [int(rng.integers(0, R - n + 1)) for n in counts]
+    y_start = np.concatenate([[0], np.cumsum(counts)[:-1]]) + 2  # rows 0-1 and the last two: no span's
+    out_rows = sum(counts) + 4
+    batch = qk.QBatch(ms)
+    Y = np.full((out_rows, batch.width), np.nan, np.float32)
+    qk._q_spans(X, np.array(x_start), np.array(counts), y_start, batch.table, batch.tscales, batch.first_format,
+                *batch.likes, Y, threads)
+    written = np.zeros(Y.shape, bool)
+    for m, w in enumerate(ms):
+        a, n, b = x_start[m], counts[m], y_start[m]
+        if n:
+            np.testing.assert_array_equal(Y[b:b + n, :w.shape[0]], w.matmul(X[a:a + n]))
+        written[b:b + n, :batch.table[m, 2] * 16] = True
+    assert np.isfinite(Y[written]).all() and np.isnan(Y[~written]).all()
+    Z = qk.q_spans(X, ms, x_start, counts, y_start, out_rows)
+    np.testing.assert_array_equal(Z[written[:, :Z.shape[1]]], Y[:, :Z.shape[1]][written[:, :Z.shape[1]]])
+
+
+def test_q_spans_refuse_spans_outside_their_arrays() -> None:
+    a = quantize(np.ones((16, 32)), "q8g")
+    X = np.ones((4, 32), np.float32)
+    assert qk.q_spans(X, [a], [1], [3], [0], 3).shape == (3, 16)
+    for x_start, count, y_start, out_rows in (([2], [3], [0], 3), ([0], [3], [1], 3), ([-1], [1], [0], 1),
+                                              ([0], [-1], [0], 1), ([0, 0], [1], [0], 1)):
+        with pytest.raises(WasteError, match="spans of rows"):
+            qk.q_spans(X, [a], x_start, count, y_start, out_rows)
 
 
 def test_q_products_refuse_other_matrices_and_bad_inputs() -> None:

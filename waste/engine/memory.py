@@ -14,7 +14,8 @@ nothing, so every kernel is loaded or compiled), before it picks the expert stor
              + session state at the run's context (KDA states, conv rings, MLA latents)
              + working buffers (one prefill pass's activations, the routed experts one
                layer of that pass holds at once, or a decode step's misses and guesses if
-               more, the logits rows of one chunk)
+               more, one group of the routed rows a MoE layer runs together, the logits
+               rows of one chunk)
     expert cache = budget - resident
 
 When every routed expert fits in the cache the container's memory map serves them (the
@@ -34,6 +35,7 @@ from typing import Any
 
 from waste.config import ModelConfig
 from waste.engine.experts import GUESS_LAYERS
+from waste.engine.moe_layer import GROUP_ROWS
 from waste.errors import NonFiniteError, WasteError
 from waste.plan import WeightBytes, container_weight_bytes, state_bytes
 from waste.units import human_bytes
@@ -244,6 +246,11 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: 
     per_layer = min(cfg.num_experts, cfg.num_experts_per_token)
     held = max(min(cfg.num_experts, tokens * cfg.num_experts_per_token), (1 + GUESS_LAYERS) * per_layer)
     experts_held = held * weights.per_expert
+    # A prefill's group of routed rows (`waste.engine.moe_layer.GROUP_ROWS`): their inputs, gate
+    # and up products (and their unpadded copies), activations and outputs, float32.
+    expert_in = cfg.routed_expert_hidden_size or cfg.hidden_size
+    group_rows = min(tokens * cfg.num_experts_per_token, GROUP_ROWS)
+    grouped = 4 * group_rows * (2 * expert_in + 5 * cfg.moe_intermediate_size) if cfg.num_experts else 0
     prompt_rows = max(context - decode_tokens, 1) if all_logits else 1
     logits = 4 * cfg.vocab_size * (2 * min(chunk, tokens) + prompt_rows + decode_tokens)
     return MemoryPlan(
@@ -253,6 +260,6 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: 
         trunk=weights.trunk,
         mla_weights=mla_weights,
         state=state_bytes(cfg, context).total,
-        working=activations + experts_held + logits,
+        working=activations + experts_held + grouped + logits,
         experts_total=weights.experts_total,
     )

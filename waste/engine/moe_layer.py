@@ -37,6 +37,7 @@ from waste.errors import WasteError
 from waste.kernels.moe import (
     ROUTER_WEIGHTS,
     add_weighted,
+    gated_experts,
     gated_experts_one_token,
     route,
     router_logits,
@@ -49,6 +50,12 @@ from waste.kernels.quant import QMatrix
 GetMatrix = Callable[[str], QMatrix]
 GetTensor = Callable[[str], np.ndarray]
 ExpertMLP = Callable[[np.ndarray, QMatrix, QMatrix, QMatrix], np.ndarray]  # (x, gate, up, down) -> y
+
+
+# Routed rows (token picks) a prefill runs through its experts in one group (`MoELayer._chunk`):
+# the group's inputs, gate, up, activations and outputs take 4 x GROUP_ROWS x (2 in + 3 inner)
+# bytes (30 MB at the 48B's 2304 and 1024), counted in `waste.engine.memory`'s working buffers.
+GROUP_ROWS = 1024
 
 
 class ExpertSource(Protocol):
@@ -188,29 +195,66 @@ class MoELayer:
             y = self._one_token(z, ids, weights, unique, arrivals, ready, shared)
         else:
             extra = self.mlp(z, *shared) if shared is not None else None
-            y = self._chunk(z, ids, weights, unique, arrivals)
+            y = self._chunk(z, ids, weights, unique, arrivals, ready)
             if extra is not None:
                 y += extra
         return y, RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
 
     def _chunk(self, z: np.ndarray, ids: np.ndarray, weights: np.ndarray, unique: np.ndarray,
-               arrivals: Iterator[tuple[int, Expert]]) -> np.ndarray:
-        """The weighted sum of the routed experts over a chunk of tokens z [T, in], T > 1."""
+               arrivals: Iterator[tuple[int, Expert]], ready: int) -> np.ndarray:
+        """The weighted sum of the routed experts over a chunk of tokens z [T, in], T > 1. The
+        `ready` experts the store hands out at once run together (`gated_experts`: three kernel
+        calls per group of up to GROUP_ROWS routed rows), each later one as it arrives; the
+        outputs are added in id order, the sums of running each expert alone."""
+        U, k = len(unique), ids.shape[1]
+        # Picks sorted by expert id, tokens ascending within each (a stable sort): expert i's
+        # picks are order[start[i]:start[i] + count[i]]. Top-k ids are distinct per token, so
+        # each token appears at most once per expert.
+        order = np.argsort(ids.reshape(-1), kind="stable")
+        count = np.bincount(np.searchsorted(unique, ids.reshape(-1)), minlength=U).astype(np.int64)
+        start = np.zeros(U, np.int64)
+        np.cumsum(count[:-1], out=start[1:])
+        tokens = order // k
+        scale = weights.reshape(-1)[order][:, None]
         y = np.zeros_like(z)
-        # Top-k ids are distinct per token, so each row appears at most once per expert.
-        picks = [np.nonzero(ids == e) for e in unique]
-        rows = [r for r, _ in picks]
-        scale = [weights[r, k, None] for r, k in picks]
         # Outputs are added in id order as soon as every lower id's is in: the sums of `get`.
         done: dict[int, np.ndarray] = {}
         added = 0
-        for i, (w1, w3, w2) in arrivals:
-            done[i] = self.mlp(z[rows[i]], w1, w3, w2)
+
+        def run(batch: list[tuple[int, Expert]]) -> None:
+            nonlocal added
+            experts = [expert for _, expert in batch]
+            if not run_together(experts):
+                for i, expert in batch:
+                    done[i] = self.mlp(z[tokens[start[i]:start[i] + count[i]]], *expert)
+            else:
+                picked = np.array([i for i, _ in batch], np.int64)
+                n = count[picked]
+                first_row = np.zeros(len(batch), np.int64)  # of each expert's rows in the batch's
+                np.cumsum(n[:-1], out=first_row[1:])
+                rows = np.repeat(start[picked] - first_row, n) + np.arange(int(n.sum()))  # into `order`
+                out = gated_experts(z[tokens[rows]], experts, first_row, n, self.situ_params)
+                for j, (i, _) in enumerate(batch):
+                    done[i] = out[first_row[j]:first_row[j] + n[j]]
             while added in done:
-                y[rows[added]] += scale[added] * done.pop(added)
+                picks = slice(start[added], start[added] + count[added])
+                y[tokens[picks]] += scale[picks] * done.pop(added)
                 added += 1
-        if added != len(unique):
-            raise WasteError(f"expert store returned {added} experts for {len(unique)} requested ids")
+
+        batch: list[tuple[int, Expert]] = []
+        rows = 0
+        for i, expert in islice(arrivals, ready):
+            if batch and rows + count[i] > GROUP_ROWS:
+                run(batch)
+                batch, rows = [], 0
+            batch.append((i, expert))
+            rows += int(count[i])
+        if batch:
+            run(batch)
+        for arrival in arrivals:
+            run([arrival])
+        if added != U:
+            raise WasteError(f"expert store returned {added} experts for {U} requested ids")
         return y
 
     def _one_token(self, z: np.ndarray, ids: np.ndarray, weights: np.ndarray, unique: np.ndarray,

@@ -185,11 +185,16 @@ def batchable(matrices: Sequence[QMatrix]) -> bool:
 
 
 class QBatch:
-    """A fixed list of q matrices multiplied in one kernel call (`_q_products`), with everything
-    the call derives from the matrices (addresses, row blocks, formats, scales) built once: a
-    decode step runs the same products on every token. Holds the matrices, so the addresses
-    stay valid. `QBatch(matrices)(X, rows)` -> Y [M, Nmax], Y[m, :N_m] = W_m X[rows[m]], bit for
-    bit W_m.matvec(X[rows[m]]); Y is a fresh array per call."""
+    """A fixed list of q matrices multiplied in one kernel call (`_q_spans`), with everything the
+    call derives from the matrices (addresses, row blocks, formats, scales) built once: a decode
+    step runs the same products on every token, a MoE prefill every expert of a layer. Holds the
+    matrices, so the addresses stay valid.
+
+    `QBatch(matrices)(X, rows)` -> Y [M, Nmax]: Y[m, :N_m] = W_m X[rows[m]], bit for bit
+    W_m.matvec(X[rows[m]]) (decode). `.spans(X, x_start, count, y_start, out_rows)` -> Y
+    [out_rows, Nmax]: Y[y_start[m] + j, :N_m] = W_m X[x_start[m] + j] for j < count[m], bit for
+    bit W_m.matmul(X[x_start[m]:x_start[m] + count[m]]) (the experts of a prefill, each on its
+    own rows). Y is a fresh array per call."""
 
     def __init__(self, matrices: Sequence[QMatrix]):
         if not matrices or not batchable(matrices):
@@ -208,17 +213,29 @@ class QBatch:
         # (codes, scales) that hold no rows, one pair per format: they pick each format's kernel
         self.likes = (*first._qargs[4:], *other._qargs[4:])  # type: ignore[attr-defined]
         self.width = max(m._qargs[3] for m in matrices)  # type: ignore[attr-defined]  # rows padded to 16
+        self._ones = np.ones(len(matrices), np.int64)  # a decode product's one row per matrix
+        self._index = np.arange(len(matrices), dtype=np.int64)  # and its output row
 
     def __call__(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """X [R, K] float32 C-contiguous, rows [M] int64 in [0, R) (the caller's promise: unchecked)."""
-        Y = np.empty((len(self.matrices), 1, self.width), np.float32)
-        _q_products(X, rows, self.table, self.tscales, self.first_format, *self.likes, Y)
-        return Y[:, 0]
+        Y = np.empty((len(self.matrices), self.width), np.float32)
+        _q_spans(X, rows, self._ones, self._index, self.table, self.tscales, self.first_format, *self.likes, Y,
+                 numba.get_num_threads())
+        return Y
+
+    def spans(self, X: np.ndarray, x_start: np.ndarray, count: np.ndarray, y_start: np.ndarray,
+              out_rows: int) -> np.ndarray:
+        """X [R, K] float32 C-contiguous; x_start, count, y_start [M] int64 with every span inside X
+        and inside the out_rows output rows (the caller's promise: unchecked)."""
+        Y = np.empty((out_rows, self.width), np.float32)
+        _q_spans(X, x_start, count, y_start, self.table, self.tscales, self.first_format, *self.likes, Y,
+                 numba.get_num_threads())
+        return Y
 
 
 def q_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: Sequence[int]) -> np.ndarray:
     """Y [M, Nmax] with Y[m, :N_m] = W_m X[rows[m]], for X [R, K] float32 and M q matrices W_m
-    [N_m, K] of at most two formats (`batchable`), in one kernel call (`_q_products`); Nmax is
+    [N_m, K] of at most two formats (`batchable`), in one kernel call (`_q_spans`); Nmax is
     the largest N_m, and Y[m, N_m:] is left unspecified. Y[m, :N_m] equals
     W_m.matvec(X[rows[m]]) bit for bit."""
     batch = QBatch(matrices)
@@ -228,6 +245,24 @@ def q_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: Sequence[int]) 
         raise WasteError(f"q matrices of width {batch.k}: inputs must be [R, {batch.k}] with row ids in [0, R) "
                          f"for each of {len(matrices)} matrices, got {X.shape} and {len(rows)} row ids")
     return batch(X, np.array(rows, np.int64))[:, :max(m.shape[0] for m in matrices)]
+
+
+def q_spans(X: np.ndarray, matrices: Sequence[QMatrix], x_start: Sequence[int], count: Sequence[int],
+            y_start: Sequence[int], out_rows: int) -> np.ndarray:
+    """Y [out_rows, Nmax] with Y[y_start[m] + j, :N_m] = W_m X[x_start[m] + j] for j < count[m]:
+    each of M q matrices W_m [N_m, K] (at most two formats, `batchable`) on its own run of rows
+    of X [R, K] float32, in one kernel call (`_q_spans`). Rows of Y that no span writes, and
+    Y[:, N_m:] of a span's rows, are left unspecified. Each span's rows equal
+    W_m.matmul(X[x_start[m]:x_start[m] + count[m]]) bit for bit."""
+    batch = QBatch(matrices)
+    X = np.ascontiguousarray(X, np.float32)
+    a, n, b = (np.array([int(v) for v in s], np.int64).reshape(-1) for s in (x_start, count, y_start))
+    M = len(matrices)
+    if (X.ndim != 2 or X.shape[1] != batch.k or not len(a) == len(n) == len(b) == M or (n < 0).any()
+            or (a < 0).any() or (a + n > len(X)).any() or (b < 0).any() or (b + n > out_rows).any()):
+        raise WasteError(f"q matrices of width {batch.k}: inputs must be [R, {batch.k}] with {M} spans of rows "
+                         f"inside them and inside {out_rows} output rows, got {X.shape}")
+    return batch.spans(X, a, n, b, int(out_rows))[:, :max(m.shape[0] for m in matrices)]
 
 
 def quantize(w: np.ndarray, fmt: str) -> QMatrix:
@@ -336,7 +371,7 @@ SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 
 # Row block b of Y for all tokens, in the host's tiles (int8_blocks.make_rows). Numba's cache
-# keys the kernels that call it (_q_product, _q_products below) on this file alone, though they
+# keys the kernels that call it (_q_product, _q_spans below) on this file alone, though they
 # inline the blocks' generated code: a change to int8_blocks' lowerings must change this file
 # too, or cached kernels keep the old code (the last such change: mxfp4's nibble lookup with
 # vpermb on AVX512_VBMI hosts; then 16-token tiles on AVX-512).
@@ -388,17 +423,20 @@ def _pointer(typingctx, address, like):
 
 
 @parallel_kernel
-def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, Y):
-    """Y[m, 0, :16 NB_m] = X[rows[m]] W_m^T for M q matrices of one input width (G groups) and at
-    most two formats. table [M, 4] (QBatch) holds per matrix the addresses of its codes and
-    scales, its row blocks NB_m and its format: where that is first_format the matrix is read
-    as (like_qs, like_scales), else as (like_qs_b, like_scales_b) (arrays of each format's
-    dtypes and block size that hold no rows); tscales [M], Y [M, 1, W], W >= 16 max NB_m. Each
-    row of X is quantised once, then the row blocks of all the matrices run in one parallel
-    region (two when there are two formats).
+def _q_spans(X, x_start, count, y_start, table, tscales, first_format, like_qs, like_scales, like_qs_b,
+             like_scales_b, Y, threads):
+    """Y[y_start[m] + j, :16 NB_m] = X[x_start[m] + j] W_m^T for j < count[m], for M q matrices of
+    one input width (G groups) and at most two formats. table [M, 4] (QBatch) holds per matrix
+    the addresses of its codes and scales, its row blocks NB_m and its format: where that is
+    first_format the matrix is read as (like_qs, like_scales), else as (like_qs_b,
+    like_scales_b) (arrays of each format's dtypes and block size that hold no rows); tscales
+    [M], Y [RY, W], W >= 16 max NB_m. Each row of X is quantised once, then the row blocks of all
+    the matrices run in one parallel region, split between the `threads` by their rows' work
+    (the caller passes numba.get_num_threads(): called in a kernel it keeps Numba from caching it).
 
-    One decode step multiplies many small matrices (a MoE layer's experts, a KDA layer's six
-    input projections), and a call and a parallel region per product cost microseconds each
+    One decode step multiplies many small matrices on one token each (a MoE layer's experts, a
+    KDA layer's six input projections), and a prefill runs each of a MoE layer's experts on the
+    few tokens routed to it: a call and a parallel region per product cost microseconds each
     against products of 10-60 us (`waste.kernels.moe.gated_experts_one_token` has the
     measurements). The callers keep the matrices alive during the call: the kernel reads
     them by address."""
@@ -408,53 +446,78 @@ def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, lik
     xq = np.empty((R, G * GROUP), np.int8)
     xsum = np.empty((R, G), np.int32)
     xs = np.empty((R, G), np.float32)
-    for r in range(R):
-        _quantize_token(X, r, xq, xsum, xs)
+    if R <= SERIAL_TOKENS:
+        for r in range(R):
+            _quantize_token(X, r, xq, xsum, xs)
+    else:
+        for r in prange(R):
+            _quantize_token(X, r, xq, xsum, xs)
     # Work item i is row block item_block[i] of matrix item_matrix[i], the first format's items
     # first. Each format's items run in a loop of their own: a branch on the format inside one
     # loop measured 25% slower (16 q4g 256 x 1024 matrices, one token, one thread: 108 against
     # 87 us), the inlined kernels no longer specialised.
     items = 0
     first = 0
-    code_bytes = 0
+    work = 0  # code bytes times rows
     for m in range(M):
         items += table[m, 2]
+        block_bytes = G * (like_qs.shape[2] if table[m, 3] == first_format else like_qs_b.shape[2])
+        work += table[m, 2] * block_bytes * count[m]
         if table[m, 3] == first_format:
             first += table[m, 2]
-            code_bytes += table[m, 2] * G * like_qs.shape[2]
-        else:
-            code_bytes += table[m, 2] * G * like_qs_b.shape[2]
     item_matrix = np.empty(items, np.int64)
     item_block = np.empty(items, np.int64)
+    # A block's work: its code bytes times its rows plus one (reading the codes whatever the rows).
+    done_after = np.empty(items, np.int64)  # the work of items 0..i
     i = 0
+    total = 0
     for pass_ in range(2):
         for m in range(M):
             if (table[m, 3] == first_format) == (pass_ == 0):
+                block_bytes = like_qs.shape[2] if pass_ == 0 else like_qs_b.shape[2]
                 for b in range(table[m, 2]):
                     item_matrix[i] = m
                     item_block[i] = b
+                    total += block_bytes * (count[m] + 1)
+                    done_after[i] = total
                     i += 1
-    if code_bytes <= SERIAL_BYTES:
-        for i in range(first):
-            _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i])
-        for i in range(first, items):
-            _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[i],
-                         item_block[i])
+    parts = 1 if work <= SERIAL_BYTES else max(1, min(threads, items))
+    # Part p takes the items whose work ends in (total p / parts, total (p + 1) / parts]: about the
+    # same work each, whatever the tokens each expert was routed.
+    bounds = np.zeros(parts + 1, np.int64)
+    i = 0
+    for p in range(1, parts):
+        while i < items and done_after[i] * parts <= total * p:
+            i += 1
+        bounds[p] = i
+    bounds[parts] = items
+    if parts == 1:
+        _span_items(x_start, count, y_start, table, tscales, like_qs, like_scales, like_qs_b, like_scales_b, Y,
+                    xq, xsum, xs, item_matrix, item_block, first, 0, items)
         return
-    for i in prange(first):
-        _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i])
-    if first < items:
-        for i in prange(first, items):
-            _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[i],
-                         item_block[i])
+    for p in prange(parts):
+        _span_items(x_start, count, y_start, table, tscales, like_qs, like_scales, like_qs_b, like_scales_b, Y,
+                    xq, xsum, xs, item_matrix, item_block, first, bounds[p], bounds[p + 1])
 
 
 @kernel
-def _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, m, b):
-    """Row block b of matrix m of _q_products, its format given by like_qs and like_scales."""
+def _span_items(x_start, count, y_start, table, tscales, like_qs, like_scales, like_qs_b, like_scales_b, Y,
+                xq, xsum, xs, item_matrix, item_block, first, lo, hi):
+    """Items lo..hi of _q_spans: those before `first` in the first format, the rest in the second."""
+    for i in range(lo, min(hi, first)):
+        _span_rows(x_start, count, y_start, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i],
+                   item_block[i])
+    for i in range(max(lo, first), hi):
+        _span_rows(x_start, count, y_start, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs,
+                   item_matrix[i], item_block[i])
+
+
+@kernel
+def _span_rows(x_start, count, y_start, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, m, b):
+    """Row block b of matrix m of _q_spans on its rows, its format given by like_qs and like_scales."""
     NB = table[m, 2]
     G = like_qs.shape[1]
     qs = numba.carray(_pointer(table[m, 0], like_qs), (NB, G, like_qs.shape[2]))
     scales = numba.carray(_pointer(table[m, 1], like_scales), (NB, G, ROWS))
-    r = rows[m]
-    _rows(qs, scales, xq[r:r + 1], xsum[r:r + 1], xs[r:r + 1], Y[m], tscales[m], b)
+    x0, n, y0 = x_start[m], count[m], y_start[m]
+    _rows(qs, scales, xq[x0:x0 + n], xsum[x0:x0 + n], xs[x0:x0 + n], Y[y0:y0 + n], tscales[m], b)
