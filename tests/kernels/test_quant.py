@@ -362,13 +362,17 @@ def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int
     for m, w in enumerate(ms):
         np.testing.assert_array_equal(Y[m, :w.shape[0]], w.matvec(X[rows[m]]))
         np.testing.assert_array_equal(Y[m, :w.shape[0]], qk.QBatch([w])(X, rows[m:m + 1])[0, :w.shape[0]])
+    # Both drivers, the decode one and the spans one (one row per matrix), into NaN-filled outputs.
     batch = qk.QBatch(ms)
-    Y_nan = np.full((M, batch.width), np.nan, np.float32)
+    Y_nan = np.full((M, 1, batch.width), np.nan, np.float32)
+    qk._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan)
+    Y_spans = np.full((M, batch.width), np.nan, np.float32)
     qk._q_spans(X, rows.astype(np.int64), np.ones(M, np.int64), np.arange(M), batch.table, batch.tscales,
-                batch.first_format, *batch.likes, Y_nan, 2)
+                batch.first_format, *batch.likes, Y_spans, 2)
     for m, w in enumerate(ms):
-        np.testing.assert_array_equal(Y_nan[m, :w.shape[0]], Y[m, :w.shape[0]])
-        assert np.isfinite(Y_nan[m, :batch.table[m, 2] * 16]).all()
+        for out in (Y_nan[m, 0], Y_spans[m]):
+            np.testing.assert_array_equal(out[:w.shape[0]], Y[m, :w.shape[0]])
+            assert np.isfinite(out[:batch.table[m, 2] * 16]).all()
 
 
 @pytest.mark.parametrize("fmts", [("q8g",), ("q4g",), ("mxfp4",), ("q4g", "q8g")])

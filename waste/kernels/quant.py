@@ -185,10 +185,10 @@ def batchable(matrices: Sequence[QMatrix]) -> bool:
 
 
 class QBatch:
-    """A fixed list of q matrices multiplied in one kernel call (`_q_spans`), with everything the
-    call derives from the matrices (addresses, row blocks, formats, scales) built once: a decode
-    step runs the same products on every token, a MoE prefill every expert of a layer. Holds the
-    matrices, so the addresses stay valid.
+    """A fixed list of q matrices multiplied in one kernel call (`_q_products` for a decode step,
+    `_q_spans` for a prefill), with everything the call derives from the matrices (addresses, row
+    blocks, formats, scales) built once: a decode step runs the same products on every token, a
+    MoE prefill every expert of a layer. Holds the matrices, so the addresses stay valid.
 
     `QBatch(matrices)(X, rows)` -> Y [M, Nmax]: Y[m, :N_m] = W_m X[rows[m]], bit for bit
     W_m.matvec(X[rows[m]]) (decode). `.spans(X, x_start, count, y_start, out_rows)` -> Y
@@ -213,15 +213,12 @@ class QBatch:
         # (codes, scales) that hold no rows, one pair per format: they pick each format's kernel
         self.likes = (*first._qargs[4:], *other._qargs[4:])  # type: ignore[attr-defined]
         self.width = max(m._qargs[3] for m in matrices)  # type: ignore[attr-defined]  # rows padded to 16
-        self._ones = np.ones(len(matrices), np.int64)  # a decode product's one row per matrix
-        self._index = np.arange(len(matrices), dtype=np.int64)  # and its output row
 
     def __call__(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """X [R, K] float32 C-contiguous, rows [M] int64 in [0, R) (the caller's promise: unchecked)."""
-        Y = np.empty((len(self.matrices), self.width), np.float32)
-        _q_spans(X, rows, self._ones, self._index, self.table, self.tscales, self.first_format, *self.likes, Y,
-                 numba.get_num_threads())
-        return Y
+        Y = np.empty((len(self.matrices), 1, self.width), np.float32)
+        _q_products(X, rows, self.table, self.tscales, self.first_format, *self.likes, Y)
+        return Y[:, 0]
 
     def spans(self, X: np.ndarray, x_start: np.ndarray, count: np.ndarray, y_start: np.ndarray,
               out_rows: int) -> np.ndarray:
@@ -235,7 +232,7 @@ class QBatch:
 
 def q_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: Sequence[int]) -> np.ndarray:
     """Y [M, Nmax] with Y[m, :N_m] = W_m X[rows[m]], for X [R, K] float32 and M q matrices W_m
-    [N_m, K] of at most two formats (`batchable`), in one kernel call (`_q_spans`); Nmax is
+    [N_m, K] of at most two formats (`batchable`), in one kernel call (`_q_products`); Nmax is
     the largest N_m, and Y[m, N_m:] is left unspecified. Y[m, :N_m] equals
     W_m.matvec(X[rows[m]]) bit for bit."""
     batch = QBatch(matrices)
@@ -371,10 +368,10 @@ SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 
 # Row block b of Y for all tokens, in the host's tiles (int8_blocks.make_rows). Numba's cache
-# keys the kernels that call it (_q_product, _q_spans below) on this file alone, though they
-# inline the blocks' generated code: a change to int8_blocks' lowerings must change this file
-# too, or cached kernels keep the old code (the last such change: mxfp4's nibble lookup with
-# vpermb on AVX512_VBMI hosts; then 16-token tiles on AVX-512).
+# keys the kernels that call it (_q_product, _q_products, _q_spans below) on this file alone,
+# though they inline the blocks' generated code: a change to int8_blocks' lowerings must change
+# this file too, or cached kernels keep the old code (the last such change: mxfp4's nibble
+# lookup with vpermb on AVX512_VBMI hosts; then 16-token tiles on AVX-512).
 _rows = make_rows(ISA)
 
 
@@ -420,6 +417,81 @@ def _pointer(typingctx, address, like):
         return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
     return types.CPointer(like.dtype)(address, like), codegen
+
+
+@parallel_kernel
+def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, Y):
+    """Y[m, 0, :16 NB_m] = X[rows[m]] W_m^T for M q matrices of one input width (G groups) and at
+    most two formats. table [M, 4] (QBatch) holds per matrix the addresses of its codes and
+    scales, its row blocks NB_m and its format: where that is first_format the matrix is read
+    as (like_qs, like_scales), else as (like_qs_b, like_scales_b) (arrays of each format's
+    dtypes and block size that hold no rows); tscales [M], Y [M, 1, W], W >= 16 max NB_m. Each
+    row of X is quantised once, then the row blocks of all the matrices run in one parallel
+    region (two when there are two formats).
+
+    One decode step multiplies many small matrices (a MoE layer's experts, a KDA layer's six
+    input projections), and a call and a parallel region per product cost microseconds each
+    against products of 10-60 us (`waste.kernels.moe.gated_experts_one_token` has the
+    measurements). The callers keep the matrices alive during the call: the kernel reads
+    them by address. `_q_spans` does the same for runs of rows (a prefill's experts); decode
+    keeps this driver, measured 10-15% faster on one token (nine down products of `mini` q4:
+    39 against 45 us on one thread, 23-24 against 28-29 on two)."""
+    R = X.shape[0]
+    M = table.shape[0]
+    G = like_qs.shape[1]
+    xq = np.empty((R, G * GROUP), np.int8)
+    xsum = np.empty((R, G), np.int32)
+    xs = np.empty((R, G), np.float32)
+    for r in range(R):
+        _quantize_token(X, r, xq, xsum, xs)
+    # Work item i is row block item_block[i] of matrix item_matrix[i], the first format's items
+    # first. Each format's items run in a loop of their own: a branch on the format inside one
+    # loop measured 25% slower (16 q4g 256 x 1024 matrices, one token, one thread: 108 against
+    # 87 us), the inlined kernels no longer specialised.
+    items = 0
+    first = 0
+    code_bytes = 0
+    for m in range(M):
+        items += table[m, 2]
+        if table[m, 3] == first_format:
+            first += table[m, 2]
+            code_bytes += table[m, 2] * G * like_qs.shape[2]
+        else:
+            code_bytes += table[m, 2] * G * like_qs_b.shape[2]
+    item_matrix = np.empty(items, np.int64)
+    item_block = np.empty(items, np.int64)
+    i = 0
+    for pass_ in range(2):
+        for m in range(M):
+            if (table[m, 3] == first_format) == (pass_ == 0):
+                for b in range(table[m, 2]):
+                    item_matrix[i] = m
+                    item_block[i] = b
+                    i += 1
+    if code_bytes <= SERIAL_BYTES:
+        for i in range(first):
+            _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i])
+        for i in range(first, items):
+            _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[i],
+                         item_block[i])
+        return
+    for i in prange(first):
+        _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i])
+    if first < items:
+        for i in prange(first, items):
+            _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[i],
+                         item_block[i])
+
+
+@kernel
+def _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, m, b):
+    """Row block b of matrix m of _q_products, its format given by like_qs and like_scales."""
+    NB = table[m, 2]
+    G = like_qs.shape[1]
+    qs = numba.carray(_pointer(table[m, 0], like_qs), (NB, G, like_qs.shape[2]))
+    scales = numba.carray(_pointer(table[m, 1], like_scales), (NB, G, ROWS))
+    r = rows[m]
+    _rows(qs, scales, xq[r:r + 1], xsum[r:r + 1], xs[r:r + 1], Y[m], tscales[m], b)
 
 
 @parallel_kernel
@@ -481,7 +553,7 @@ def _q_spans(X, x_start, count, y_start, table, tscales, first_format, like_qs, 
                     total += block_bytes * (count[m] + 1)
                     done_after[i] = total
                     i += 1
-    parts = 1 if work <= SERIAL_BYTES else max(1, min(threads, items))
+    parts = 1 if work <= SERIAL_BYTES else max(1, min(threads, items))  # serial below SERIAL_BYTES
     # Part p takes the items whose work ends in (total p / parts, total (p + 1) / parts]: about the
     # same work each, whatever the tokens each expert was routed.
     bounds = np.zeros(parts + 1, np.int64)
@@ -491,25 +563,26 @@ def _q_spans(X, x_start, count, y_start, table, tscales, first_format, like_qs, 
             i += 1
         bounds[p] = i
     bounds[parts] = items
-    if parts == 1:
-        _span_items(x_start, count, y_start, table, tscales, like_qs, like_scales, like_qs_b, like_scales_b, Y,
-                    xq, xsum, xs, item_matrix, item_block, first, 0, items)
+    if work <= SERIAL_BYTES:
+        for i in range(first):
+            _span_rows(x_start, count, y_start, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i],
+                       item_block[i])
+        for i in range(first, items):
+            _span_rows(x_start, count, y_start, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs,
+                       item_matrix[i], item_block[i])
         return
+    # The item loops sit in the prange body itself (one thread too), not in a function it calls or
+    # in this function's serial code: compiled as the parallel region's own function they ran 2.5x
+    # faster (a decode step's nine down products of `mini` q4 on one thread: 44 against 110 us;
+    # why LLVM does better there, we have not pinned down).
     for p in prange(parts):
-        _span_items(x_start, count, y_start, table, tscales, like_qs, like_scales, like_qs_b, like_scales_b, Y,
-                    xq, xsum, xs, item_matrix, item_block, first, bounds[p], bounds[p + 1])
-
-
-@kernel
-def _span_items(x_start, count, y_start, table, tscales, like_qs, like_scales, like_qs_b, like_scales_b, Y,
-                xq, xsum, xs, item_matrix, item_block, first, lo, hi):
-    """Items lo..hi of _q_spans: those before `first` in the first format, the rest in the second."""
-    for i in range(lo, min(hi, first)):
-        _span_rows(x_start, count, y_start, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i],
-                   item_block[i])
-    for i in range(max(lo, first), hi):
-        _span_rows(x_start, count, y_start, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs,
-                   item_matrix[i], item_block[i])
+        lo, hi = bounds[p], bounds[p + 1]
+        for i in range(lo, min(hi, first)):
+            _span_rows(x_start, count, y_start, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i],
+                       item_block[i])
+        for i in range(max(lo, first), hi):
+            _span_rows(x_start, count, y_start, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs,
+                       item_matrix[i], item_block[i])
 
 
 @kernel
