@@ -288,7 +288,7 @@ def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMat
 
     Three kernel calls whatever the number of experts: every expert's gate and up rows in one
     parallel region (x quantised once), the activations, every down product in one more
-    region (quant `_q_spans`); one by one, each expert takes four calls and two parallel
+    region (quant `_q_products`); one by one, each expert takes four calls and two parallel
     regions of 16-64 row blocks. Measured on the shared 2-core machine (load 2-3, so a
     guide, not a quiet figure): 8 experts of `mini` q8 (6.7 MB) took 318 us together against
     353 us one by one from DRAM, 169 against 199 us from cache; a decode step's MoE layers
@@ -309,9 +309,10 @@ def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatr
 
     Three kernel calls whatever the number of experts (a decode step's experts on its one token,
     or a prefill's on the tokens routed to each): every expert's gate and up products in one
-    parallel region (quant `_q_spans`, each row of x quantised once), the activations, every
-    down product in one more region. None when the experts are not q matrices of one shape and
-    at most two formats per projection (`run_together`; the caller runs them one by one).
+    parallel region (quant `_q_products` when every expert has one row, else `_q_spans`; each
+    row of x quantised once), the activations, every down product in one more region. None
+    when the experts are not q matrices of one shape and at most two formats per projection
+    (`run_together`; the caller runs them one by one).
     x_start, count [E] int64, the runs inside x (the caller's promise: unchecked).
     """
     if not run_together(experts):
@@ -321,18 +322,25 @@ def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatr
     x = np.ascontiguousarray(x, np.float32)
     if x.ndim != 2 or x.shape[1] != width or experts[0][2].shape[1] != inner:
         raise WasteError(f"experts [{inner}, {width}] -> [{out}, {experts[0][2].shape[1]}] cannot take x {x.shape}")
-    y_start = np.zeros(n, np.int64)
-    np.cumsum(count[:-1], out=y_start[1:])
-    rows = int(y_start[-1] + count[-1])
     gates_ups, downs = QBatch([m for e in experts for m in e[:2]]), QBatch([e[2] for e in experts])
-    # Gate e's rows at y_start[e], up e's at rows + y_start[e]: gate and up as two [rows, W] blocks.
-    both = np.stack([y_start, y_start + rows], axis=1).reshape(-1)
-    gate_up = gates_ups.spans(x, np.repeat(x_start, 2), np.repeat(count, 2), both, 2 * rows)
-    gate, up = np.ascontiguousarray(gate_up[:rows, :inner]), np.ascontiguousarray(gate_up[rows:, :inner])
+    one_row_each = bool((count == 1).all())  # a decode step's: the one-row driver, measured faster
+    if one_row_each:
+        gate_up = gates_ups(x, np.repeat(x_start, 2)).reshape(n, 2, -1)
+        gate, up = np.ascontiguousarray(gate_up[:, 0, :inner]), np.ascontiguousarray(gate_up[:, 1, :inner])
+    else:
+        y_start = np.zeros(n, np.int64)
+        np.cumsum(count[:-1], out=y_start[1:])
+        rows = int(y_start[-1] + count[-1])
+        # Gate e's rows at y_start[e], up e's at rows + y_start[e]: gate and up as two [rows, W] blocks.
+        both = np.stack([y_start, y_start + rows], axis=1).reshape(-1)
+        gate_up = gates_ups.spans(x, np.repeat(x_start, 2), np.repeat(count, 2), both, 2 * rows)
+        gate, up = np.ascontiguousarray(gate_up[:rows, :inner]), np.ascontiguousarray(gate_up[rows:, :inner])
     h = np.empty_like(gate)
     beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
     if situ_params is not None and gate.size > SITU_BLOCK:  # a prefill's: on all cores
         _situ_blocks(gate.reshape(-1), up.reshape(-1), beta, linear_beta, h.reshape(-1))
     else:
         _activate_rows(gate, up, situ_params is not None, beta, linear_beta, h)
+    if one_row_each:
+        return downs(h, np.arange(n, dtype=np.int64))[:, :out]
     return downs.spans(h, y_start, count, y_start, rows)[:, :out]
