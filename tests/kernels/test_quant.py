@@ -367,8 +367,8 @@ def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int
     Y_nan = np.full((M, 1, batch.width), np.nan, np.float32)
     qk._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan)
     Y_spans = np.full((M, batch.width), np.nan, np.float32)
-    qk._q_spans(X, rows.astype(np.int64), np.ones(M, np.int64), np.arange(M), batch.table, batch.tscales,
-                batch.first_format, *batch.likes, Y_spans, 2)
+    qk._q_spans(*qk.quantized_activations(X, batch.likes[0].shape[1]), rows.astype(np.int64), np.ones(M, np.int64),
+                np.arange(M), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_spans, 2)
     for m, w in enumerate(ms):
         for out in (Y_nan[m, 0], Y_spans[m]):
             np.testing.assert_array_equal(out[:w.shape[0]], Y[m, :w.shape[0]])
@@ -393,8 +393,8 @@ def test_q_spans_equal_each_matrix_on_its_rows(fmts: tuple[str, ...], threads: i
     out_rows = sum(counts) + 4
     batch = qk.QBatch(ms)
     Y = np.full((out_rows, batch.width), np.nan, np.float32)
-    qk._q_spans(X, np.array(x_start), np.array(counts), y_start, batch.table, batch.tscales, batch.first_format,
-                *batch.likes, Y, threads)
+    qk._q_spans(*qk.quantized_activations(X, batch.likes[0].shape[1]), np.array(x_start), np.array(counts), y_start,
+                batch.table, batch.tscales, batch.first_format, *batch.likes, Y, threads)
     written = np.zeros(Y.shape, bool)
     for m, w in enumerate(ms):
         a, n, b = x_start[m], counts[m], y_start[m]

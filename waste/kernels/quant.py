@@ -225,8 +225,8 @@ class QBatch:
         """X [R, K] float32 C-contiguous; x_start, count, y_start [M] int64 with every span inside X
         and inside the out_rows output rows (the caller's promise: unchecked)."""
         Y = np.empty((out_rows, self.width), np.float32)
-        _q_spans(X, x_start, count, y_start, self.table, self.tscales, self.first_format, *self.likes, Y,
-                 numba.get_num_threads())
+        _q_spans(*quantized_activations(X, self.likes[0].shape[1]), x_start, count, y_start, self.table,
+                 self.tscales, self.first_format, *self.likes, Y, numba.get_num_threads())
         return Y
 
 
@@ -348,6 +348,17 @@ def quantize_activations(X, xq, xsum, xs):
     int32 and scales xs [T, G] float32 (NaN where a group holds NaN or inf): X ~ xs * xq."""
     for t in prange(X.shape[0]):
         _quantize_token(X, t, xq, xsum, xs)
+
+
+def quantized_activations(X: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(xq [T, 32 groups], xsum [T, groups], xs [T, groups]) of X [T, K] float32 C-contiguous,
+    K <= 32 groups: `quantize_activations` into fresh arrays."""
+    T = X.shape[0]
+    xq = np.empty((T, groups * GROUP), np.int8)
+    xsum = np.empty((T, groups), np.int32)
+    xs = np.empty((T, groups), np.float32)
+    quantize_activations(X, xq, xsum, xs)
+    return xq, xsum, xs
 
 
 def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
@@ -495,35 +506,24 @@ def _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, m,
 
 
 @parallel_kernel
-def _q_spans(X, x_start, count, y_start, table, tscales, first_format, like_qs, like_scales, like_qs_b,
-             like_scales_b, Y, threads):
+def _q_spans(xq, xsum, xs, x_start, count, y_start, table, tscales, first_format, like_qs, like_scales,
+             like_qs_b, like_scales_b, Y, threads):
     """Y[y_start[m] + j, :16 NB_m] = X[x_start[m] + j] W_m^T for j < count[m], for M q matrices of
-    one input width (G groups) and at most two formats. table [M, 4] (QBatch) holds per matrix
-    the addresses of its codes and scales, its row blocks NB_m and its format: where that is
-    first_format the matrix is read as (like_qs, like_scales), else as (like_qs_b,
-    like_scales_b) (arrays of each format's dtypes and block size that hold no rows); tscales
-    [M], Y [RY, W], W >= 16 max NB_m. Each row of X is quantised once, then the row blocks of all
-    the matrices run in one parallel region, split between the `threads` by their rows' work
-    (the caller passes numba.get_num_threads(): called in a kernel it keeps Numba from caching it).
+    one input width (G groups) and at most two formats, X given as its quantised rows (xq, xsum,
+    xs: `quantized_activations`). table [M, 4] (QBatch) holds per matrix the addresses of its
+    codes and scales, its row blocks NB_m and its format: where that is first_format the matrix
+    is read as (like_qs, like_scales), else as (like_qs_b, like_scales_b) (arrays of each
+    format's dtypes and block size that hold no rows); tscales [M], Y [RY, W], W >= 16 max NB_m.
+    The row blocks of all the matrices run in one parallel region, split between the `threads`
+    by their rows' work (the caller passes numba.get_num_threads(): called in a kernel it keeps
+    Numba from caching it).
 
-    One decode step multiplies many small matrices on one token each (a MoE layer's experts, a
-    KDA layer's six input projections), and a prefill runs each of a MoE layer's experts on the
-    few tokens routed to it: a call and a parallel region per product cost microseconds each
-    against products of 10-60 us (`waste.kernels.moe.gated_experts_one_token` has the
-    measurements). The callers keep the matrices alive during the call: the kernel reads
-    them by address."""
-    R = X.shape[0]
+    A prefill runs each of a MoE layer's experts on the few tokens routed to it: a call and a
+    parallel region per expert cost more than its products where they are small (k3-mini's;
+    `waste.engine.moe_layer.GROUP_ROWS` has the measurements). The callers keep the matrices
+    alive during the call: the kernel reads them by address."""
     M = table.shape[0]
     G = like_qs.shape[1]
-    xq = np.empty((R, G * GROUP), np.int8)
-    xsum = np.empty((R, G), np.int32)
-    xs = np.empty((R, G), np.float32)
-    if R <= SERIAL_TOKENS:
-        for r in range(R):
-            _quantize_token(X, r, xq, xsum, xs)
-    else:
-        for r in prange(R):
-            _quantize_token(X, r, xq, xsum, xs)
     # Work item i is row block item_block[i] of matrix item_matrix[i], the first format's items
     # first. Each format's items run in a loop of their own: a branch on the format inside one
     # loop measured 25% slower (16 q4g 256 x 1024 matrices, one token, one thread: 108 against
