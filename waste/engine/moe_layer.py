@@ -56,10 +56,12 @@ ExpertMLP = Callable[[np.ndarray, QMatrix, QMatrix, QMatrix], np.ndarray]  # (x,
 # the group's inputs, gate and up (and their unpadded copies), activations and outputs take
 # 4 x GROUP_ROWS x (2 in + 5 inner) bytes (20 MB at the 48B's 2304 and 1024), counted in
 # `waste.engine.memory`'s working buffers. Measured on a 256-token chunk, 2 threads, an AMD EPYC
-# with AVX-512 VNNI and BF16 (2026-12-02, 60 interleaved runs): k3-mini's MoE (MXFP4 256 x 512
-# experts) took 7.6 ms at 512 rows against 10.0 one expert at a time, 8.7 at 1024 and 9.7 at
-# 2048 (larger groups outgrow the core's 1 MiB L2, we think); mini's (q8 256 x 1024) 8.5
-# against 8.2, and 9.5 at 1024: fewer calls save less where one product is longer.
+# with AVX-512 VNNI and BF16 (2026-12-02, 60 interleaved runs of one layer): k3-mini's MoE (64
+# MXFP4 256 x 512 experts, 13 MB, which stay in the 32 MB L3 between runs) took 7.6 ms at 512
+# rows against 10.0 one expert at a time, 8.7 at 1024 and 9.7 at 2048 (larger groups outgrow the
+# core's 1 MiB L2, we think); mini's (q8 256 x 1024, 53 MB, read from DRAM) 8.5 against 8.2, and
+# 9.5 at 1024: fewer calls save less where one product is longer. In the whole engine (weights
+# from DRAM) k3-mini's prefill rose 19-21% (README).
 GROUP_ROWS = 512
 
 
