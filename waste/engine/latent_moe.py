@@ -17,8 +17,8 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.engine.moe_layer import ExpertSource, GetMatrix, GetTensor, MoELayer, RoutingInfo, router_and_shared
-from waste.engine.norms import rms_norm
 from waste.errors import WasteError
+from waste.kernels.norm import rms_norm
 from waste.kernels.quant import QMatrix
 
 

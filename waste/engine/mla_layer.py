@@ -28,6 +28,7 @@ import numpy as np
 from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.kernels.mla import heads_dot, heads_times, mla_decode, mla_prefill
+from waste.kernels.norm import rms_norm
 from waste.kernels.quant import QMatrix
 
 GetMatrix = Callable[[str], QMatrix]
@@ -52,11 +53,6 @@ class MLACache:
 
     def copy(self) -> MLACache:
         return MLACache(self.latent.copy(), self.length)
-
-
-def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
-    return (x / np.sqrt(ms + np.float32(eps))) * w
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -152,7 +148,7 @@ class MLALayer:
         if self.q_proj is not None:
             q = self.q_proj.matmul(x)
         else:
-            q = self.q_b_proj.matmul(_rms_norm(self.q_a_proj.matmul(x), self.q_a_norm, self.eps))
+            q = self.q_b_proj.matmul(rms_norm(self.q_a_proj.matmul(x), self.q_a_norm, self.eps))
         return q.reshape(x.shape[0], self.H, self.nope + self.rope)
 
     def _absorbed_queries(self, x: np.ndarray) -> np.ndarray:
@@ -167,7 +163,7 @@ class MLALayer:
     def _latents(self, x: np.ndarray) -> np.ndarray:
         """x [T, hidden] -> cache rows [T, R + P]: normalised latent, then the rope part."""
         ckv = self.kv_a_proj.matmul(x)
-        ckv[:, : self.R] = _rms_norm(ckv[:, : self.R], self.kv_a_norm, self.eps)
+        ckv[:, : self.R] = rms_norm(ckv[:, : self.R], self.kv_a_norm, self.eps)
         return ckv
 
     def _output(self, x: np.ndarray, o: np.ndarray) -> np.ndarray:
