@@ -1,9 +1,10 @@
 """Decode with a MoE layer's experts run together against one expert at a time (issue 17).
 
 A decode step runs each MoE layer's routed experts (and the shared ones when their format and
-shape match) in three kernel calls, `waste.kernels.moe.gated_experts_one_token`. The baseline
+shape match) in one kernel call, `waste.kernels.moe.gated_experts_one_token` (with their weighted
+sum, `gated_experts_sum_one_token`, when the store hands out every expert at once). The baseline
 is the per-expert path (swiglu / situ_mlp per expert, four calls and two parallel regions
-each), which the layer takes when that function declines; here it is made to decline. One model,
+each), which the layer takes when those functions decline; here they are made to. One model,
 two sessions, decode steps alternated one by one between the two (the first of each pair
 alternating too), so the machine's load and the caches touch both alike; the logits of every
 step must be identical. Per preset and scheme: min and median ms per step and MoE ms per step,
@@ -27,7 +28,13 @@ import waste.engine.moe_layer as moe_layer
 from waste.container import open_container
 from waste.engine.model import LayerTimes, Model
 
-MODES = {"per_expert": lambda *args: None, "together": moe_layer.gated_experts_one_token}
+# Per mode, the two functions the layer calls (both declining: the per-expert path).
+MODES = {"per_expert": (lambda *args: None, lambda *args: None),
+         "together": (moe_layer.gated_experts_one_token, moe_layer.gated_experts_sum_one_token)}
+
+
+def use(mode: str) -> None:
+    moe_layer.gated_experts_one_token, moe_layer.gated_experts_sum_one_token = MODES[mode]
 
 
 def alternate(path: Path, new: int, rounds: int, prompt_len: int) -> dict[str, Any]:
@@ -40,13 +47,13 @@ def alternate(path: Path, new: int, rounds: int, prompt_len: int) -> dict[str, A
         for r in range(rounds + 1):  # round 0 warms up (compiles, faults the weights in)
             sessions, tokens = {}, {}
             for m in MODES:
-                moe_layer.gated_experts_one_token = MODES[m]
+                use(m)
                 sessions[m] = model.new_session(prompt_len + new + 1)
                 tokens[m] = int(np.argmax(model.prefill(sessions[m], prompt, all_logits=False)[-1]))
             for i in range(new if r else 3):
                 logits = {}
                 for m in list(MODES)[:: 1 if (i + r) % 2 == 0 else -1]:
-                    moe_layer.gated_experts_one_token = MODES[m]
+                    use(m)
                     model.times = LayerTimes()
                     t0 = time.perf_counter()
                     logits[m] = model.decode(sessions[m], tokens[m])
@@ -56,7 +63,7 @@ def alternate(path: Path, new: int, rounds: int, prompt_len: int) -> dict[str, A
                     tokens[m] = int(np.argmax(logits[m]))
                 if not np.array_equal(logits["together"], logits["per_expert"]):
                     raise AssertionError(f"{path.name}: the logits of step {i} differ between the two paths")
-    moe_layer.gated_experts_one_token = MODES["together"]
+    use("together")
     out: dict[str, Any] = {}
     for m in MODES:
         out[m] = {"step_ms_min": 1e3 * min(steps[m]), "step_ms_median": 1e3 * float(np.median(steps[m])),

@@ -15,6 +15,7 @@ from waste.errors import WasteError
 from waste.kernels.moe import (
     add_weighted,
     gated_experts_one_token,
+    gated_experts_sum_one_token,
     route,
     router_logits,
     silu_mul,
@@ -228,6 +229,30 @@ def test_gated_experts_one_token_two_formats_equal_one_by_one(routed: str, share
         got = gated_experts_one_token(x, [experts[i] for i in order], act)
         for row, want in zip(got, _one_by_one(x, [experts[i] for i in order], act), strict=True):
             np.testing.assert_array_equal(row, want)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS[:2])
+@pytest.mark.parametrize(("routed", "shared", "n_shared"),
+                         [("q4g", "q8g", 1), ("mxfp4", "mxfp4", 0), ("q8g", "q8g", 2)])
+def test_gated_experts_sum_one_token_equals_the_rows_added(routed: str, shared: str, n_shared: int, act) -> None:
+    """The one-call sum of a decode step: the weighted rows in order, then the unweighted ones,
+    bit for bit add_weighted and += over gated_experts_one_token's rows (large, mixed-sign
+    outputs, so a sum taken in another order or with a fused multiply-add would differ)."""
+    rng = np.random.default_rng(53)
+    experts = [*_experts(rng, routed, 6, 64, 96), *_experts(rng, shared, n_shared, 64, 96)]
+    x = (8 * rng.standard_normal((1, 96))).astype(np.float32)
+    weights = rng.uniform(0, 3, 6).astype(np.float32)
+    rows = gated_experts_one_token(x, experts, act)
+    want = np.zeros(96, np.float32)
+    add_weighted(want, rows[:6], weights)
+    for row in rows[6:]:
+        want += row
+    got = gated_experts_sum_one_token(x, experts, weights, act)
+    assert got.shape == (96,) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    assert gated_experts_sum_one_token(x, [*experts, *_experts(rng, "f32", 1, 64, 96)], weights, act) is None
+    with pytest.raises(WasteError, match="weights for"):
+        gated_experts_sum_one_token(x, experts[:3], weights, act)
 
 
 def test_add_weighted_equals_numpy_row_by_row() -> None:

@@ -31,7 +31,8 @@ from waste.kernels.kda import (
 )
 from waste.kernels.kda_chunk import prefill_kda
 from waste.kernels.kda_decode import _deferred_decode_kernel, apply_pending, kda_scale, new_state
-from waste.kernels.quant import QBatch, QMatrix, batchable, matmul_pair
+from waste.kernels.kda_step import kda_decode_step, sigmoid_into
+from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, batchable, matmul_pair
 from waste.kernels.short_conv import _conv_step_kernel, conv_taps, short_conv_silu
 
 GetMatrix = Callable[[str], QMatrix]
@@ -48,8 +49,11 @@ def _matvec_pair(x: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32)
+    """sigmoid of a float32 array, by the decode step's own kernel (so prefill's betas round alike)."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    sigmoid_into(x.reshape(-1), out.reshape(-1))
+    return out
 
 
 @dataclass
@@ -123,6 +127,19 @@ class KDALayer:
         self._scale = kda_scale(None, self.K)
         self._x_rows = np.zeros(len(first), np.int64)  # [6]: every product of the first call reads x
         self._mid_rows = np.arange(len(second), dtype=np.int64)  # f_b reads f, g_b the gate's low rank
+        # With every product in a q format the whole step is one call (waste.kernels.kda_step):
+        # its arguments that do not change from token to token.
+        self._step_args: tuple[Any, ...] | None = None
+        if self._decode_batches is not None and o_proj.fmt in Q_FORMATS:
+            a, b = self._decode_batches
+            qs, scales, tscale, _, no_qs, no_scales = o_proj._qargs  # type: ignore[attr-defined]
+            self._step_args = (
+                (self._x_rows, a.table, a.tscales, a.first_format, *a.likes,
+                 self._mid_rows, b.table, b.tscales, b.first_format, *b.likes, len(gate) == 2, self.taps3),
+                (self._gate_a, self._gate_bias, 0.0 if self.lower_bound is None else float(self.lower_bound),
+                 self._scale, True),
+                (self.o_norm, self.eps, qs, scales, tscale, no_qs, no_scales),
+            )
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str) -> KDALayer:
@@ -234,6 +251,15 @@ class KDALayer:
             raise WasteError(f"KDA decode input must have {self.o_proj.shape[0]} values, got {x.shape[0]}")
         self._check_state(state)
         H, K = self.H, self.K
+        if self._step_args is not None:
+            products, gates, output = self._step_args
+            y = np.empty((1, self.o_proj._qargs[3]), np.float32)  # type: ignore[attr-defined]
+            g = np.empty((H, K), np.float32)
+            beta = np.empty(H, np.float32)
+            kda_decode_step(x[None, :], *products, state.conv, *gates, state.base, state.pending_k, state.pending_d,
+                            *output, y, g, beta)
+            state.has_pending = True
+            return y[0, :self.o_proj.shape[0]], g, beta
         qkv, fb, gate, b = self._decode_products(x)
         qkv = np.ascontiguousarray(qkv)
         conv = np.empty_like(qkv)  # [3, H*K]

@@ -11,8 +11,9 @@ and optionally `store.fetch(layer_index, expert_ids)`, which yields (index, expe
 arrives: the layer then computes the experts it has while the others are still being read,
 and adds their outputs in id order whatever the order of arrival (the same bits as `get`).
 `fetch`'s iterator may say in `ready` how many of its first pairs come without waiting (the
-hits of a cache; everything for `get`): a decode step runs those together, in three kernel
-calls for all of them (`waste.kernels.moe.gated_experts_one_token`), and each later one as it
+hits of a cache; everything for `get`): a decode step runs those together, in one kernel call
+for all of them (`waste.kernels.moe.gated_experts_one_token`; with the shared experts and the
+weighted sum when all are ready, `gated_experts_sum_one_token`), and each later one as it
 arrives.
 
 Every MLP here (dense, shared and routed experts) is gated: down(act(gate x, up x)), with
@@ -37,9 +38,11 @@ from waste.errors import WasteError
 from waste.kernels.moe import (
     ROUTER_WEIGHTS,
     add_weighted,
+    check_routing,
     gated_experts,
     gated_experts_one_token,
-    route,
+    gated_experts_sum_one_token,
+    route_checked,
     router_logits,
     run_together,
     situ_mlp,
@@ -155,6 +158,11 @@ class MoELayer:
         self.renormalize = cfg.moe_renormalize
         self.scaling = cfg.routed_scaling_factor
         self.hidden = cfg.hidden_size
+        if self.router_weight.shape[0] != len(self.score_bias):
+            raise WasteError(f"router weight {self.router_weight.shape} and score bias {self.score_bias.shape} "
+                             "disagree on the number of experts")
+        check_routing(len(self.score_bias), self.score_bias, top_k=self.top_k, num_groups=self.num_groups,
+                      topk_group=self.topk_group, router_weights=router_weights)
 
     @classmethod
     def from_weights(
@@ -173,11 +181,8 @@ class MoELayer:
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """x [T, hidden] -> (ids [T, k] int64 in rank order, weights [T, k] float32)."""
-        return route(
-            router_logits(x, self.router_weight), self.score_bias, top_k=self.top_k, num_groups=self.num_groups,
-            topk_group=self.topk_group, renormalize=self.renormalize, scaling=self.scaling,
-            router_weights=self.router_weights,
-        )
+        return route_checked(router_logits(x, self.router_weight), self.score_bias, self.top_k, self.num_groups,
+                             self.topk_group, self.renormalize, self.scaling, self.router_weights)
 
     def _check_input(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, np.float32)
@@ -267,11 +272,21 @@ class MoELayer:
     def _one_token(self, z: np.ndarray, ids: np.ndarray, weights: np.ndarray, unique: np.ndarray,
                    arrivals: Iterator[tuple[int, Expert]], ready: int, shared: Expert | None) -> np.ndarray:
         """The routed experts' weighted sum plus the shared experts' output for one token z [1, in]
-        (decode). The `ready` experts the store hands out at once run in one batch
-        (`gated_experts_one_token`), with the shared experts when their formats and shapes allow,
-        then each later one as it arrives, while the store reads the rest; the outputs are added
-        in id order, the bits of the chunk path's sums."""
+        (decode). When the store hands out every expert at once, they and the shared experts run
+        in one call that also sums them (`gated_experts_sum_one_token`), if formats and shapes
+        allow. Otherwise the `ready` ones run in one batch (`gated_experts_one_token`), with the
+        shared experts when they allow, then each later one as it arrives, while the store reads
+        the rest. The outputs are added in id order: the bits of the chunk path's sums."""
         U = len(unique)
+        first = list(islice(arrivals, ready))
+        if len(first) == U:  # every expert at hand: all of them and the sum in one call, if they allow
+            experts: list[Expert] = [None] * U  # type: ignore[list-item]
+            for i, expert in first:
+                experts[i] = expert
+            y = gated_experts_sum_one_token(z, experts if shared is None else [*experts, shared],
+                                            weights[0, np.argsort(ids[0])], self.situ_params)
+            if y is not None:
+                return y[None, :]
         outs = np.empty((U + 1, z.shape[1]), np.float32)  # row U: the shared experts'
         computed = np.zeros(U + 1, bool)
 
@@ -285,7 +300,6 @@ class MoELayer:
                     outs[i] = self.mlp(z, *expert)[0]
             computed[rows] = True
 
-        first = list(islice(arrivals, ready))
         if shared is None:
             computed[U] = True
         elif first and run_together([*(expert for _, expert in first), shared]):

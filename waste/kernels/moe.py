@@ -31,7 +31,8 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
-from waste.kernels.quant import QBatch, QMatrix, batchable, matmul_pair
+from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, _q_products, matmul_pair
+from waste.qformat import ROWS
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
 
@@ -170,15 +171,46 @@ def situ(g: np.ndarray, u: np.ndarray, beta: float | None, linear_beta: float | 
     return out
 
 
+# Token-expert dot products from which router logits are computed on all cores (a prefill's).
+PARALLEL_ROUTER_WORK = 1 << 20
+
+
+@kernel
+def _router_row(x, weight, out, t):
+    for e in range(weight.shape[0]):
+        acc = np.float32(0.0)
+        for i in range(x.shape[1]):
+            acc += x[t, i] * weight[e, i]
+        out[t, e] = acc
+
+
+@parallel_kernel
+def _router_logits(x, weight, out):
+    """out [T, E] = x [T, hidden] weight [E, hidden]^T, each token's row by the same loop."""
+    if x.shape[0] * weight.shape[0] * weight.shape[1] < PARALLEL_ROUTER_WORK:
+        for t in range(x.shape[0]):
+            _router_row(x, weight, out, t)
+    else:
+        for t in prange(x.shape[0]):
+            _router_row(x, weight, out, t)
+
+
 def router_logits(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """x [T, hidden] @ weight [E, hidden]^T in float32 -> logits [T, E].
 
-    float32 dot products in NumPy's own loop, not BLAS: between Numba's prange kernels an
-    OpenBLAS call on 2 cores waits milliseconds for the spinning thread pools (prefill of
-    `mini` q8 went from 116 to 398 tokens/s), and a token's logits no longer depend on how
-    many tokens share the call, so routing is the same at any prefill chunk size.
+    float32 dot products in a Numba loop, not BLAS: between Numba's prange kernels an OpenBLAS
+    call on 2 cores waits milliseconds for the spinning thread pools (prefill of `mini` q8 went
+    from 116 to 398 tokens/s), and a token's logits do not depend on how many tokens share the
+    call, so routing is the same at any prefill chunk size. (NumPy's einsum, before, took 20-30
+    us for one token of `mini`, 64 x 1024, on the EPYC.)
     """
-    return np.einsum("tk,ek->te", np.asarray(x, np.float32), np.asarray(weight, np.float32))
+    x = np.ascontiguousarray(x, np.float32)
+    weight = np.ascontiguousarray(weight, np.float32)
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
+        raise WasteError(f"router logits of x {x.shape} and weight {weight.shape}: expected [T, D] and [E, D]")
+    out = np.empty((x.shape[0], weight.shape[0]), np.float32)
+    _router_logits(x, weight, out)
+    return out
 
 
 def route(
@@ -197,7 +229,14 @@ def route(
     bias = np.ascontiguousarray(bias, np.float32)
     if logits.ndim != 2:
         raise WasteError(f"router logits must be [T, E], got shape {logits.shape}")
-    T, E = logits.shape
+    check_routing(logits.shape[1], bias, top_k=top_k, num_groups=num_groups, topk_group=topk_group,
+                  router_weights=router_weights)
+    return route_checked(logits, bias, top_k, num_groups, topk_group, renormalize, scaling, router_weights)
+
+
+def check_routing(E: int, bias: np.ndarray, *, top_k: int, num_groups: int, topk_group: int,
+                  router_weights: str) -> None:
+    """Raise WasteError unless `route` can choose top_k of E experts with these settings."""
     if bias.shape != (E,):
         raise WasteError(f"e_score_correction_bias must have {E} values, got shape {bias.shape}")
     if router_weights not in ROUTER_WEIGHTS:
@@ -206,8 +245,14 @@ def route(
         raise WasteError(f"{E} experts cannot form {num_groups} groups keeping {topk_group}")
     if not 1 <= top_k <= E:
         raise WasteError(f"top_k {top_k} must lie in 1..{E}")
-    ids = np.empty((T, top_k), np.int64)
-    weights = np.empty((T, top_k), np.float32)
+
+
+def route_checked(logits: np.ndarray, bias: np.ndarray, top_k: int, num_groups: int, topk_group: int,
+                  renormalize: bool, scaling: float, router_weights: str) -> tuple[np.ndarray, np.ndarray]:
+    """`route` for arguments `check_routing` accepted: contiguous float32 logits [T, E] and bias
+    [E] (a MoE layer checks its settings once, not per decoded token)."""
+    ids = np.empty((logits.shape[0], top_k), np.int64)
+    weights = np.empty((logits.shape[0], top_k), np.float32)
     _route(logits, bias, top_k, num_groups, topk_group, renormalize, np.float32(scaling),
            router_weights == "biased", ids, weights)
     return ids, weights
@@ -274,10 +319,42 @@ def add_weighted(y: np.ndarray, outs: np.ndarray, weights: np.ndarray) -> None:
 def run_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
     """Whether gated_experts_one_token runs these experts together: their gate and up matrices
     q matrices of one shape and at most two formats (a q4 layer's q4g routed experts with its
-    q8g shared expert), and their down matrices too."""
-    gates_ups, downs = [m for e in experts for m in e[:2]], [e[2] for e in experts]
-    return (batchable(gates_ups) and batchable(downs) and len({m.shape for m in gates_ups}) == 1
-            and len({m.shape for m in downs}) == 1)
+    q8g shared expert), and their down matrices too (`batchable`, with one shape)."""
+    for kinds in ({(m.fmt, m.shape) for e in experts for m in e[:2]}, {(e[2].fmt, e[2].shape) for e in experts}):
+        if len(kinds) > 2 or len({shape for _, shape in kinds}) != 1 or any(f not in Q_FORMATS for f, _ in kinds):
+            return False
+    return True
+
+
+@parallel_kernel
+def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b,
+                     down_table, down_tscales, down_first, down_qs, down_scales, down_qs_b, down_scales_b,
+                     inner, use_situ, beta, linear_beta, outs, weights, y):
+    """outs [E, out] = the gated MLPs of E experts [inner, in] -> [out, inner] on one token x
+    [1, in]: every gate and up product (rows 2e and 2e + 1 of the gate/up table) in one
+    parallel region, the activations, every down product in another, all in one call (each
+    product `_q_products`, each argument triple (table, tscales, first format) and likes as a
+    QBatch holds them). When y [out] is not empty, also y += weights[e] outs[e] for the first
+    len(weights) experts in turn (`_add_weighted`), then += outs[e] of each later one."""
+    n, out = outs.shape
+    gate_up = np.empty((2 * n, 1, ROWS * gu_table[:, 2].max()), np.float32)
+    _q_products(x, np.zeros(2 * n, np.int64), gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b,
+                gu_scales_b, gate_up)
+    # Contiguous [E, inner] gate and up, as swiglu and situ_mlp hand the activation.
+    gate = np.empty((n, inner), np.float32)
+    up = np.empty((n, inner), np.float32)
+    for e in range(n):
+        gate[e] = gate_up[2 * e, 0, :inner]
+        up[e] = gate_up[2 * e + 1, 0, :inner]
+    h = np.empty((n, inner), np.float32)
+    _activate_rows(gate, up, use_situ, beta, linear_beta, h)
+    down = np.empty((n, 1, ROWS * down_table[:, 2].max()), np.float32)
+    _q_products(h, np.arange(n), down_table, down_tscales, down_first, down_qs, down_scales, down_qs_b,
+                down_scales_b, down)
+    outs[:, :] = down[:, 0, :out]
+    if y.size:
+        _add_weighted(outs[:weights.size], weights, y)
+        _add_weighted(outs[weights.size:], np.ones(n - weights.size, np.float32), y)  # 1 w = w: y += w
 
 
 def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
@@ -286,18 +363,49 @@ def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMat
     bit to swiglu(x, *experts[e]) (situ_params None) or situ_mlp(x, *experts[e], *situ_params)
     (situ_params = (beta, linear_beta)).
 
-    Three kernel calls whatever the number of experts: every expert's gate and up rows in one
-    parallel region (x quantised once), the activations, every down product in one more
-    region (quant `_q_products`); one by one, each expert takes four calls and two parallel
-    regions of 16-64 row blocks. Measured on the shared 2-core machine (load 2-3, so a
-    guide, not a quiet figure): 8 experts of `mini` q8 (6.7 MB) took 318 us together against
-    353 us one by one from DRAM, 169 against 199 us from cache; a decode step's MoE layers
-    4.07 -> 3.53 ms (`bench/moe_decode.py`). None when the experts are not q matrices of one
-    shape and at most two formats per projection (`run_together`; the caller runs them one by
-    one).
+    One kernel call whatever the number of experts (`_gated_one_token`): every expert's gate
+    and up rows in one parallel region (x quantised once), the activations, every down product
+    in one more region; one by one, each expert takes four calls and two parallel regions of
+    16-64 row blocks. None when the experts are not q matrices of one shape and at most two
+    formats per projection (`run_together`; the caller runs them one by one).
     """
-    n = len(experts)
-    return gated_experts(x, experts, np.zeros(n, np.int64), np.ones(n, np.int64), situ_params)
+    return _one_token(x, experts, situ_params, None)
+
+
+def gated_experts_sum_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
+                                weights: np.ndarray, situ_params: tuple[float | None, float | None] | None
+                                ) -> np.ndarray | None:
+    """y [out] = sum of weights[e] times expert e's output for the first len(weights) experts,
+    then plus the output of each later one (a decode step's routed experts in id order, then
+    its shared ones), in that order in float32: the bits of `add_weighted` and `+=` over the
+    rows of gated_experts_one_token, in the same single call. None as gated_experts_one_token."""
+    return _one_token(x, experts, situ_params, np.ascontiguousarray(weights, np.float32))
+
+
+def _one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
+               situ_params: tuple[float | None, float | None] | None, weights: np.ndarray | None) -> np.ndarray | None:
+    """gated_experts_one_token's rows (weights None), or gated_experts_sum_one_token's sum."""
+    if not run_together(experts):
+        return None
+    (inner, width), out = experts[0][0].shape, experts[0][2].shape[0]
+    x = np.ascontiguousarray(x, np.float32)
+    if x.shape != (1, width) or experts[0][2].shape[1] != inner:
+        raise WasteError(f"experts [{inner}, {width}] -> [{out}, {experts[0][2].shape[1]}] cannot take x {x.shape}")
+    if weights is not None and not weights.shape[0] <= len(experts):
+        raise WasteError(f"{weights.shape[0]} weights for {len(experts)} experts")
+    gates_ups = QBatch([m for e in experts for m in e[:2]], checked=True)
+    downs = QBatch([e[2] for e in experts], checked=True)
+    beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
+    outs = np.empty((len(experts), out), np.float32)
+    y = np.zeros(0 if weights is None else out, np.float32)
+    _gated_one_token(x, gates_ups.table, gates_ups.tscales, gates_ups.first_format, *gates_ups.likes,
+                     downs.table, downs.tscales, downs.first_format, *downs.likes,
+                     inner, situ_params is not None, beta, linear_beta, outs,
+                     _NO_WEIGHTS if weights is None else weights, y)
+    return outs if weights is None else y
+
+
+_NO_WEIGHTS = np.zeros(0, np.float32)
 
 
 def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]], x_start: np.ndarray,

@@ -196,8 +196,10 @@ class QBatch:
     bit W_m.matmul(X[x_start[m]:x_start[m] + count[m]]) (the experts of a prefill, each on its
     own rows). Y is a fresh array per call."""
 
-    def __init__(self, matrices: Sequence[QMatrix]):
-        if not matrices or not batchable(matrices):
+    def __init__(self, matrices: Sequence[QMatrix], *, checked: bool = False):
+        """`checked`: the caller has seen `batchable(matrices)` hold (a decode step's experts,
+        `waste.kernels.moe.run_together`), which is then not tested again."""
+        if not checked and (not matrices or not batchable(matrices)):
             raise WasteError("q_products multiplies q matrices (q8g, q4g, mxfp4) of at most two formats and one "
                              "input width, got " + ", ".join(sorted({f"{m.fmt} {m.shape}" for m in matrices})))
         self.matrices = list(matrices)
