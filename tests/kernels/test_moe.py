@@ -157,6 +157,7 @@ def test_silu_mul_extremes_are_finite() -> None:
 # widths multiples of 32, hence of 16, so its rows never pad.
 ONE_TOKEN_CASES = [(fmt, *shape) for fmt in ("q8g", "q4g") for shape in ((1, 40, 72), (3, 64, 48), (8, 96, 64))]
 ONE_TOKEN_CASES += [("mxfp4", *shape) for shape in ((1, 64, 32), (3, 32, 96), (8, 96, 64))]
+ONE_TOKEN_CASES += [(fmt, *shape) for fmt in ("f32", "bf16") for shape in ((1, 40, 72), (9, 96, 50))]
 # None: SwiGLU; otherwise SiTU's (beta, linear_beta), null or not.
 ACTIVATIONS = [None, (None, None), (4.0, 25.0), (2.0, None)]
 
@@ -209,8 +210,10 @@ def test_gated_experts_one_token_match_reference(fmt: str, act) -> None:
 def test_gated_experts_one_token_leave_other_formats_to_the_caller() -> None:
     rng = np.random.default_rng(43)
     q8, f32 = _experts(rng, "q8g", 2, 32, 32), _experts(rng, "f32", 1, 32, 32)
-    assert gated_experts_one_token(np.ones((1, 32), np.float32), f32, None) is None
     assert gated_experts_one_token(np.ones((1, 32), np.float32), [*q8, *f32], None) is None
+    one = np.ones((1, 32), np.float32)
+    assert gated_experts_one_token(one, [*f32, *_experts(rng, "bf16", 1, 32, 32)], None) is None
+    assert gated_experts_one_token(one, [*f32, *_experts(rng, "f32", 1, 64, 32)], None) is None
     q4 = _experts(rng, "q4g", 1, 32, 32)
     mx = _experts(rng, "mxfp4", 1, 32, 32)
     assert gated_experts_one_token(np.ones((1, 32), np.float32), [*q8, *q4, *mx], None) is None
@@ -233,7 +236,8 @@ def test_gated_experts_one_token_two_formats_equal_one_by_one(routed: str, share
 
 @pytest.mark.parametrize("act", ACTIVATIONS[:2])
 @pytest.mark.parametrize(("routed", "shared", "n_shared"),
-                         [("q4g", "q8g", 1), ("mxfp4", "mxfp4", 0), ("q8g", "q8g", 2)])
+                         [("q4g", "q8g", 1), ("mxfp4", "mxfp4", 0), ("q8g", "q8g", 2), ("f32", "f32", 1),
+                          ("bf16", "bf16", 1)])
 def test_gated_experts_sum_one_token_equals_the_rows_added(routed: str, shared: str, n_shared: int, act) -> None:
     """The one-call sum of a decode step: the weighted rows in order, then the unweighted ones,
     bit for bit add_weighted and += over gated_experts_one_token's rows (large, mixed-sign
@@ -250,7 +254,8 @@ def test_gated_experts_sum_one_token_equals_the_rows_added(routed: str, shared: 
     got = gated_experts_sum_one_token(x, experts, weights, act)
     assert got.shape == (96,) and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
-    assert gated_experts_sum_one_token(x, [*experts, *_experts(rng, "f32", 1, 64, 96)], weights, act) is None
+    other = "q8g" if routed in ("f32", "bf16") else "f32"  # a format the others cannot run with
+    assert gated_experts_sum_one_token(x, [*experts, *_experts(rng, other, 1, 64, 96)], weights, act) is None
     with pytest.raises(WasteError, match="weights for"):
         gated_experts_sum_one_token(x, experts[:3], weights, act)
 

@@ -340,15 +340,21 @@ def _run_blocks(w, xs, Y):
             _row_block(w, xs, Y, i * rows, min(N, i * rows + rows))
 
 
+def bf16_operand(X: np.ndarray, *, native: bool = NATIVE) -> np.ndarray:
+    """X [T, K] float32 (C-contiguous) as the bf16 tiles read it: rounded to bf16 bits [T, Kp]
+    uint16 for vdpbf16ps (`native`), else float32 in the portable path's pair layout."""
+    xs = np.empty((X.shape[0], padded_inputs(X.shape[1])), np.uint16 if native else np.float32)
+    (_round_rows if native else _round_split)(X, xs)
+    return xs
+
+
 def bf16_matmul(w: np.ndarray, X: np.ndarray, *, native: bool = NATIVE) -> np.ndarray:
     """Y [T, N] float32 = X W^T for bf16 bits w [N, K] and X [T, K] float32 (C-contiguous).
 
     `native=False` runs the portable path on any host (the tests compare the two).
     """
-    xs = np.empty((X.shape[0], padded_inputs(X.shape[1])), np.uint16 if native else np.float32)
-    (_round_rows if native else _round_split)(X, xs)
     Y = np.empty((X.shape[0], w.shape[0]), np.float32)
-    _run_blocks(w, xs, Y)
+    _run_blocks(w, bf16_operand(X, native=native), Y)
     return Y
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
-from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, _q_products, matmul_pair
+from waste.kernels.quant import DENSE_FORMATS, Q_FORMATS, QBatch, QMatrix, _q_products, dense_products, matmul_pair
 from waste.qformat import ROWS
 
 ROUTER_WEIGHTS = ("unbiased", "biased")
@@ -363,11 +363,13 @@ def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMat
     bit to swiglu(x, *experts[e]) (situ_params None) or situ_mlp(x, *experts[e], *situ_params)
     (situ_params = (beta, linear_beta)).
 
-    One kernel call whatever the number of experts (`_gated_one_token`): every expert's gate
-    and up rows in one parallel region (x quantised once), the activations, every down product
-    in one more region; one by one, each expert takes four calls and two parallel regions of
-    16-64 row blocks. None when the experts are not q matrices of one shape and at most two
-    formats per projection (`run_together`; the caller runs them one by one).
+    For q matrices, one kernel call whatever the number of experts (`_gated_one_token`): every
+    expert's gate and up rows in one parallel region (x quantised once), the activations,
+    every down product in one more region; one by one, each expert takes four calls and two
+    parallel regions of 16-64 row blocks. For f32 or bf16 experts, two product calls
+    (`_dense_one_token`). None when the experts are neither q matrices of one shape and at
+    most two formats per projection (`run_together`) nor float matrices of one format and
+    shape (`dense_together`): the caller runs them one by one.
     """
     return _one_token(x, experts, situ_params, None)
 
@@ -385,14 +387,14 @@ def gated_experts_sum_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, 
 def _one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
                situ_params: tuple[float | None, float | None] | None, weights: np.ndarray | None) -> np.ndarray | None:
     """gated_experts_one_token's rows (weights None), or gated_experts_sum_one_token's sum."""
+    if weights is not None and not weights.shape[0] <= len(experts):
+        raise WasteError(f"{weights.shape[0]} weights for {len(experts)} experts")
     if not run_together(experts):
-        return None
+        return _dense_one_token(x, experts, situ_params, weights) if dense_together(experts) else None
     (inner, width), out = experts[0][0].shape, experts[0][2].shape[0]
     x = np.ascontiguousarray(x, np.float32)
     if x.shape != (1, width) or experts[0][2].shape[1] != inner:
         raise WasteError(f"experts [{inner}, {width}] -> [{out}, {experts[0][2].shape[1]}] cannot take x {x.shape}")
-    if weights is not None and not weights.shape[0] <= len(experts):
-        raise WasteError(f"{weights.shape[0]} weights for {len(experts)} experts")
     gates_ups = QBatch([m for e in experts for m in e[:2]], checked=True)
     downs = QBatch([e[2] for e in experts], checked=True)
     beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
@@ -406,6 +408,38 @@ def _one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]
 
 
 _NO_WEIGHTS = np.zeros(0, np.float32)
+
+
+def dense_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
+    """Whether gated_experts_one_token runs these float experts together: every matrix f32, or
+    every one bf16, the gate and up matrices of one shape and the down matrices of one shape."""
+    gates_ups, downs = {(m.fmt, m.shape) for e in experts for m in e[:2]}, {(e[2].fmt, e[2].shape) for e in experts}
+    return (len(gates_ups) == len(downs) == 1 and next(iter(gates_ups))[0] == next(iter(downs))[0]
+            and next(iter(gates_ups))[0] in DENSE_FORMATS)
+
+
+def _dense_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
+                     situ_params: tuple[float | None, float | None] | None, weights: np.ndarray | None
+                     ) -> np.ndarray:
+    """_one_token for f32 or bf16 experts (`dense_together`): every gate and up product in one
+    call (`dense_products`), the activations, every down product in one more, then the sum;
+    each row the bits of swiglu / situ_mlp, the sum those of add_weighted and +=."""
+    n, (inner, width), out = len(experts), experts[0][0].shape, experts[0][2].shape[0]
+    x = np.ascontiguousarray(x, np.float32)
+    if x.shape != (1, width) or experts[0][2].shape[1] != inner:
+        raise WasteError(f"experts [{inner}, {width}] -> [{out}, {experts[0][2].shape[1]}] cannot take x {x.shape}")
+    gate_up = dense_products(x, [m for e in experts for m in e[:2]], np.zeros(2 * n, np.int64))
+    gate, up = np.ascontiguousarray(gate_up[0::2, :inner]), np.ascontiguousarray(gate_up[1::2, :inner])
+    beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
+    h = np.empty_like(gate)
+    _activate_rows(gate, up, situ_params is not None, beta, linear_beta, h)
+    outs = np.ascontiguousarray(dense_products(h, [e[2] for e in experts], np.arange(n, dtype=np.int64))[:, :out])
+    if weights is None:
+        return outs
+    y = np.zeros(out, np.float32)
+    _add_weighted(outs[:weights.shape[0]], weights, y)
+    _add_weighted(outs[weights.shape[0]:], np.ones(n - weights.shape[0], np.float32), y)  # 1 w = w: y += w
+    return y
 
 
 def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]], x_start: np.ndarray,

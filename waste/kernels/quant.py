@@ -47,12 +47,13 @@ from numba.extending import intrinsic
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels import mxfp4
-from waste.kernels.bf16 import bf16_matmul, f32_matmul
+from waste.kernels.bf16 import ROW_TILE, _row_block, bf16_matmul, bf16_operand, f32_matmul
 from waste.kernels.int8_blocks import ISA, make_rows
 from waste.kernels.quantize import quantize_grouped
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
 
 Q_FORMATS = ("q8g", "q4g", "mxfp4")  # the formats of the integer products
+DENSE_FORMATS = ("f32", "bf16")  # the formats of the float products (waste.kernels.bf16's tiles)
 # An mxfp4 product sums twice the E2M1 values: the per-matrix scale halves it.
 MXFP4_TSCALE = np.array([0.5], np.float32)
 
@@ -79,6 +80,9 @@ class QMatrix:
             mxfp4.repack_interleaved(self.buffers["packed"], self.buffers["scales"], qs, scales)
             tscale = MXFP4_TSCALE
         else:
+            # A row of a dense_products table: where the weights live, and their rows.
+            object.__setattr__(self, "_drow", np.array((self.buffers["w"].ctypes.data, self.shape[0]),
+                                                       np.int64).tobytes())
             return
         # qs[:0], scales[:0]: the empty second matrix of a single product
         object.__setattr__(self, "_qargs", (qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
@@ -262,6 +266,55 @@ def q_spans(X: np.ndarray, matrices: Sequence[QMatrix], x_start: Sequence[int], 
         raise WasteError(f"q matrices of width {batch.k}: inputs must be [R, {batch.k}] with {M} spans of rows "
                          f"inside them and inside {out_rows} output rows, got {X.shape}")
     return batch.spans(X, a, n, b, int(out_rows))[:, :max(m.shape[0] for m in matrices)]
+
+
+def dense_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: np.ndarray) -> np.ndarray:
+    """Y [M, Nmax] with Y[m, :N_m] = W_m X[rows[m]], for X [R, K] float32 and M matrices W_m
+    [N_m, K] all f32 or all bf16, in one kernel call (`_dense_products`): bit for bit
+    W_m.matvec(X[rows[m]]). A decode step's f32 or bf16 experts take two such calls instead of
+    two parallel regions per product. rows [M] int64 in [0, R) (unchecked)."""
+    fmt, k = matrices[0].fmt, matrices[0].shape[1]
+    X = np.ascontiguousarray(X, np.float32)
+    if fmt not in DENSE_FORMATS or any(m.fmt != fmt or m.shape[1] != k for m in matrices) or X.shape[1:] != (k,):
+        raise WasteError(f"dense_products multiplies f32 or bf16 matrices of one format and width by [R, K] inputs, "
+                         f"got {sorted({(m.fmt, m.shape) for m in matrices})} and {X.shape}")
+    table = np.frombuffer(b"".join([m._drow for m in matrices]), np.int64).reshape(-1, 2)  # type: ignore[attr-defined]
+    xs = X if fmt == "f32" else bf16_operand(X)
+    like = matrices[0].buffers["w"][:0]
+    Y = np.empty((len(matrices), 1, int(table[:, 1].max())), np.float32)
+    _dense_products(xs, rows, table, like, Y)
+    return Y[:, 0]
+
+
+@parallel_kernel
+def _dense_products(xs, rows, table, like, Y):
+    """Y[m, 0, :N_m] = xs[rows[m]] W_m^T for M matrices of one dense format (like: the weights'
+    dtype, K columns, no rows) read by address (table [M, 2]: address, N_m), in blocks of
+    ROW_TILE rows as f32_matmul and bf16_matmul make them for one token; xs as those pass it
+    to the tiles. The blocks of all the matrices run in one parallel region."""
+    M = table.shape[0]
+    items = 0
+    for m in range(M):
+        items += (table[m, 1] + ROW_TILE - 1) // ROW_TILE
+    item_matrix = np.empty(items, np.int64)
+    item_row = np.empty(items, np.int64)
+    i = 0
+    for m in range(M):
+        for n0 in range(0, table[m, 1], ROW_TILE):
+            item_matrix[i] = m
+            item_row[i] = n0
+            i += 1
+    for i in prange(items):
+        _dense_rows(xs, rows, table, like, Y, item_matrix[i], item_row[i])
+
+
+@kernel
+def _dense_rows(xs, rows, table, like, Y, m, n0):
+    """Rows n0 .. n0 + ROW_TILE of matrix m of _dense_products."""
+    N = table[m, 1]
+    w = numba.carray(_pointer(table[m, 0], like), (N, like.shape[1]))
+    r = rows[m]
+    _row_block(w, xs[r:r + 1], Y[m], n0, min(N, n0 + ROW_TILE))
 
 
 def quantize(w: np.ndarray, fmt: str) -> QMatrix:
