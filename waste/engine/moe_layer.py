@@ -286,6 +286,8 @@ class MoELayer:
             y = gated_experts_sum_one_token(z, experts if shared is None else [*experts, shared],
                                             weights[0, np.argsort(ids[0])], self.situ_params)
             if y is not None:
+                for _ in arrivals:  # none left; running the iterator out ends the store's request
+                    raise WasteError(f"expert store handed out more than the {U} experts asked for")
                 return y[None, :]
         outs = np.empty((U + 1, z.shape[1]), np.float32)  # row U: the shared experts'
         computed = np.zeros(U + 1, bool)
