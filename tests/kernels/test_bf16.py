@@ -127,3 +127,27 @@ def test_native_path_compiles_to_vdpbf16ps_and_agrees_with_the_portable_one(tmp_
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(not bf16.NATIVE, reason="the vdpbf16ps tiles compile only where the host has AVX512_BF16")
+def test_a_new_caller_links_cached_vdpbf16ps_tiles(tmp_path) -> None:  # noqa: ANN001
+    """A kernel compiled in a process whose bf16 tiles come from Numba's cache links their IR,
+    inline assembly included, again: that needs the asm parser, which the tiles' own codegen no
+    longer initialises there (LLVM aborted the process: "Inline asm not supported by this
+    streamer"). The first process fills a cache; the second compiles a new caller of the tiles."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    fill = ("import numpy as np; from waste.kernels import bf16; "
+            "bf16.bf16_matmul(np.ones((8, 64), np.uint16), np.ones((1, 64), np.float32))")
+    caller = (
+        "import numpy as np, numba; from waste.kernels import bf16\n"
+        "@numba.njit\n"
+        "def new_caller(w, xs, Y, n0, n1):\n"
+        "    bf16._row_block(w, xs, Y, n0, n1)\n"
+        "w = np.zeros((8, 64), np.uint16); Y = np.ones((1, 8), np.float32)\n"
+        "new_caller(w, bf16.bf16_operand(np.ones((1, 64), np.float32)), Y, 0, 4)\n"
+        "print(float(Y[0, :4].sum()))\n"
+    )
+    for code in (fill, caller):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "0.0"

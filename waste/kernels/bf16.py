@@ -44,6 +44,12 @@ CHUNK_BLOCK_BYTES = 131072
 # Numba's thread pool costs more than the work.
 SERIAL_BYTES = 65536
 
+# Numba's JIT assembles inline asm (vdpbf16ps, below) only once the native asm parser is
+# initialised, and it must be whenever a kernel linking these tiles compiles, also when the
+# tiles themselves come from Numba's cache (a caller in another module, recompiled, links their
+# IR again: quant's dense_products). Initialising it here, at import, covers every such case.
+llvm.initialize_native_asmparser()
+
 _I1, _I16, _I32, _F32 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _VI = ir.VectorType(_I32, LANES)
 _VF = ir.VectorType(_F32, LANES)
@@ -119,8 +125,7 @@ def round_to_bf16(X: np.ndarray) -> np.ndarray:
 def _dpbf16ps(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, x: ir.Value) -> ir.Value:
     """acc + the pair products of w and x (both <16 x i32> holding bf16 pairs), one vdpbf16ps."""
     # Inline assembly: LLVM's intrinsic for it takes <32 x bfloat>, a type llvmlite's IR builder
-    # lacks. Numba's JIT assembles inline asm only once the native asm parser is initialised.
-    llvm.initialize_native_asmparser()
+    # lacks (the asm parser that assembles it is initialised at import, below).
     asm_type = ir.FunctionType(_VF, [_VF, _VI, _VI])
     asm = ir.InlineAsm(asm_type, "vdpbf16ps $3, $2, $0", "=v,0,v,v")
     return builder.call(asm, [acc, w, x])
