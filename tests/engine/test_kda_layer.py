@@ -188,9 +188,14 @@ def test_batched_decode_products_equal_one_by_one(fmts: tuple[str, ...], full_ra
         batched.decode(np.ones(cfg.hidden_size + 1, np.float32), s1)
 
 
-def test_f32_layer_decodes_one_product_at_a_time() -> None:
+def test_f32_layer_decodes_through_dense_products() -> None:
+    """An f32 layer's decode products take the two dense_products calls, not QBatch (its bits:
+    test_decode_equals_the_public_kernels_composed)."""
     cfg = load_preset("tiny")
-    assert _layer(cfg, _weights(cfg, np.random.default_rng(3)))._decode_batches is None
+    layer = _layer(cfg, _weights(cfg, np.random.default_rng(3)))
+    assert layer._decode_batches is None and layer._step_args is None
+    first, second = layer._dense_decode
+    assert [m.fmt for m in first + second] == ["f32"] * 8
 
 
 def _decode_through_wrappers(layer: KDALayer, x: np.ndarray, state: KDAState) -> np.ndarray:

@@ -32,7 +32,7 @@ from waste.kernels.kda import (
 from waste.kernels.kda_chunk import prefill_kda
 from waste.kernels.kda_decode import _deferred_decode_kernel, apply_pending, kda_scale, new_state
 from waste.kernels.kda_step import kda_decode_step, sigmoid_into
-from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, batchable, matmul_pair
+from waste.kernels.quant import DENSE_FORMATS, Q_FORMATS, QBatch, QMatrix, batchable, dense_products, matmul_pair
 from waste.kernels.short_conv import _conv_step_kernel, conv_taps, short_conv_silu
 
 GetMatrix = Callable[[str], QMatrix]
@@ -116,10 +116,13 @@ class KDALayer:
         self.gate = gate  # (g_a, g_b) low rank, or (g_proj,) full rank
         self.o_norm = np.ascontiguousarray(o_norm, np.float32).reshape(-1)  # [K]
         self.o_proj = o_proj
-        # A decode step's products in two kernel calls when the matrices are q formats: the six
-        # that read x (q, k, v, f_a, the gate's first, b), then the two of rank K (f_b, g_b).
+        # A decode step's products in two kernel calls: the six that read x (q, k, v, f_a, the
+        # gate's first, b), then the two of rank K (f_b, g_b); QBatch for q formats.
         first, second = [*qkv, f_a, gate[0], b_proj], [f_b, *gate[1:]]
         self._decode_batches = (QBatch(first), QBatch(second)) if batchable(first) and batchable(second) else None
+        # f32 or bf16 weights, all of one format: the same two calls through dense_products.
+        one_dense_format = len({m.fmt for m in first + second}) == 1 and first[0].fmt in DENSE_FORMATS
+        self._dense_decode = (first, second) if one_dense_format else None
         # What the decode step's kernels take, derived once (its public wrappers derive it per
         # call, about 5 us each): exp(A_log) as the gate kernel computes it, dt_bias per head.
         self._gate_a = np.exp(self.a_log.astype(np.float64)).astype(np.float32)  # [H]
@@ -221,15 +224,21 @@ class KDALayer:
         o = gated_rmsnorm(o, self._output_gate(x), self.o_norm, self.eps)
         return self.o_proj.matmul(o.reshape(T, H * K))
 
+    def _batch_products(self, which: int, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The first (which 0) or second (1) batch of a decode step's products on rows of X [R, K]
+        -> [M, W], in one call: QBatch for q formats, dense_products for f32 or bf16."""
+        if self._decode_batches is not None:
+            return self._decode_batches[which](X, rows)
+        return dense_products(X, self._dense_decode[which], rows)  # type: ignore[index]
+
     def _decode_products(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """x [hidden] -> (q, k, v projections [3, H*K], f_b f_a x [H*K], the output gate [H*K]
         before the sigmoid, b x [H]); each product the bits of its matvec."""
         H, HK = self.H, self.H * self.K
-        if self._decode_batches is not None:
-            first, second = self._decode_batches
-            y = first(x[None, :], self._x_rows)  # [6, W]: q, k, v, f_a x, gate_a x (or g x), b x
+        if self._decode_batches is not None or self._dense_decode is not None:
+            y = self._batch_products(0, x[None, :], self._x_rows)  # [6, W]: q, k, v, f_a x, gate_a x (or g x), b x
             low = np.ascontiguousarray(y[3:3 + len(self._mid_rows), :self.K])
-            mid = second(low, self._mid_rows)  # [1 or 2, W]: f_b f, g_b gate_a
+            mid = self._batch_products(1, low, self._mid_rows)  # [1 or 2, W]: f_b f, g_b gate_a
             gate = mid[1, :HK] if len(self.gate) == 2 else y[4, :HK]
             return y[:3, :HK], mid[0, :HK], gate, y[5, :H]
         qkv = np.empty((3, HK), np.float32)
