@@ -29,12 +29,15 @@ from waste.container import open_container
 from waste.engine.model import LayerTimes, Model
 
 # Per mode, the two functions the layer calls (both declining: the per-expert path).
+TABLES_FOR = moe_layer.MoELayer._tables_for
 MODES = {"per_expert": (lambda *args: None, lambda *args: None),
          "together": (moe_layer.gated_experts_one_token, moe_layer.gated_experts_sum_one_token)}
 
 
 def use(mode: str) -> None:
     moe_layer.gated_experts_one_token, moe_layer.gated_experts_sum_one_token = MODES[mode]
+    # The layer's expert tables (a memory-mapped store's decode) run the one-call kernel too.
+    moe_layer.MoELayer._tables_for = TABLES_FOR if mode == "together" else (lambda *args: None)
 
 
 def alternate(path: Path, new: int, rounds: int, prompt_len: int) -> dict[str, Any]:

@@ -202,3 +202,29 @@ def test_logits_do_not_depend_on_the_thread_count(tmp_path, quant):
     finally:
         numba.set_num_threads(before)
     np.testing.assert_array_equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize(("preset", "quant"), [("tiny", "q4"), ("tiny", "q8"), ("k3-tiny", "q8")])
+def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, preset, quant):
+    """A memory-mapped store's decode gathers a layer's experts from its ExpertTables; a store
+    that does not say it maps every expert takes the path through `fetch`. Logits bit for bit
+    and the store's counters the same, step after step (the tables fill as experts first show)."""
+    from waste.engine.expert_store import MmapExpertStore
+
+    class Unmapped(MmapExpertStore):
+        maps_every_expert = False
+
+    path = tiny_container(tmp_path_factory.mktemp("tables"), preset=preset, quant=quant)
+    with open_container(path) as c:
+        runs = {}
+        for name, store in (("tables", MmapExpertStore(c)), ("fetch", Unmapped(c))):
+            model = Model(c, store=store)
+            session = model.new_session(64)
+            model.prefill(session, _prompt(5, c.config.vocab_size))
+            steps = [model.decode(session, t) for t in _prompt(12, c.config.vocab_size, seed=1)]
+            tables = [f._tables for f in model.ffn if hasattr(f, "_tables")]
+            runs[name] = (np.stack(steps), store.stats.total.as_dict(), tables)
+    assert all(t is None for t in runs["fetch"][2])  # the unmapped run built none
+    assert all(t is not None and t.usable and t.known.sum() > 1 for t in runs["tables"][2])  # rows were used
+    np.testing.assert_array_equal(runs["tables"][0], runs["fetch"][0])
+    assert runs["tables"][1] == runs["fetch"][1]

@@ -40,6 +40,10 @@ class ExpertStore(ABC):
     """Hands out the routed experts of one container, layer by layer."""
 
     io_mode = "none"
+    # Whether every expert stays where `get` first handed it out, for as long as the store is
+    # open (a memory map): a MoE layer may then keep them in tables of its own and ask only
+    # `count_request` (MmapExpertStore).
+    maps_every_expert = False
 
     def __init__(self, container: Any):
         self.container = container
@@ -130,27 +134,41 @@ class MmapExpertStore(ExpertStore):
         self._views: dict[int, list[Expert | None]] = {}
         self._blob_bytes: dict[int, list[int]] = {}
 
+    maps_every_expert = True
+
     def get(self, layer: int, expert_ids: Sequence[int]) -> list[Expert]:
         ids = self._check(layer, expert_ids)
         if layer not in self._views:
             self._views[layer] = [None] * self._num_experts
             self._blob_bytes[layer] = [int(self.container.expert_span(layer, e)[1]) for e in range(self._num_experts)]
-        views, blob_bytes = self._views[layer], self._blob_bytes[layer]
+        views = self._views[layer]
         out = []
-        nbytes = 0
         for e in ids:
             view = views[e]
             if view is None:
                 view = views[e] = self.container.expert(layer, e)
             out.append(view)
-            nbytes += blob_bytes[e]
+        self.count_request(layer, ids)
+        return out
+
+    def handed_out(self, layer: int, expert: int) -> Expert:
+        """The view of an expert `get` has handed out before (without counting a request)."""
+        view = self._views[layer][expert] if layer in self._views else None
+        if view is None:
+            raise WasteError(f"expert store: expert {expert} of layer {layer} was never handed out")
+        return view
+
+    def count_request(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Count a request of experts already handed out once, as `get` counts it (the views a
+        caller kept stay valid while the container is open): a decode step that holds a layer's
+        experts in its own tables asks the store only for this."""
+        blob_bytes = self._blob_bytes[layer]
         st = self.stats.layer(layer)
         st.calls += 1
-        st.requests += len(ids)
-        st.misses += len(ids)
-        st.bytes_read += nbytes
-        self._last_hits = np.zeros(len(ids), bool)
-        return out
+        st.requests += len(expert_ids)
+        st.misses += len(expert_ids)
+        st.bytes_read += sum(blob_bytes[e] for e in expert_ids)
+        self._last_hits = np.zeros(len(expert_ids), bool)
 
     @property
     def takes_guesses(self) -> bool:

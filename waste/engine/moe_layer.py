@@ -37,6 +37,7 @@ from waste.engine.expert_cache import Expert
 from waste.errors import WasteError
 from waste.kernels.moe import (
     ROUTER_WEIGHTS,
+    ExpertTables,
     add_weighted,
     check_routing,
     gated_experts,
@@ -163,6 +164,9 @@ class MoELayer:
                              "disagree on the number of experts")
         check_routing(len(self.score_bias), self.score_bias, top_k=self.top_k, num_groups=self.num_groups,
                       topk_group=self.topk_group, router_weights=router_weights)
+        # A decode step's experts as table rows, for a store that maps every expert (_tables_for).
+        self._tables: ExpertTables | None = None
+        self._tables_store: ExpertSource | None = None
 
     @classmethod
     def from_weights(
@@ -200,17 +204,36 @@ class MoELayer:
         ids, weights = self.route(x)
         # One token's top-k ids are distinct: sorted, they are its unique ids (np.unique costs 3x).
         unique = np.sort(ids[0]) if len(ids) == 1 else np.unique(ids)
+        tables = self._tables_for(store, shared) if z.shape[0] == 1 else None
+        if tables is not None and tables.has(unique):
+            store.count_request(self.layer_index, unique)  # type: ignore[attr-defined]
+            if then is not None:
+                then()
+            y = tables.sum_one_token(z, unique, weights[0, np.argsort(ids[0])])[None, :]
+            return y, RoutingInfo(ids, weights, unique, ids.size / len(unique))
         arrivals, ready = _arrivals(store, self.layer_index, unique)
         if then is not None:
             then()
         if z.shape[0] == 1:
             y = self._one_token(z, ids, weights, unique, arrivals, ready, shared)
+            if tables is not None and tables.usable:
+                for e in unique[~tables.known[unique]]:
+                    tables.add(int(e), store.handed_out(self.layer_index, int(e)))  # type: ignore[attr-defined]
         else:
             extra = self.mlp(z, *shared) if shared is not None else None
             y = self._chunk(z, ids, weights, unique, arrivals, ready)
             if extra is not None:
                 y += extra
         return y, RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
+
+    def _tables_for(self, store: ExpertSource, shared: Expert | None) -> ExpertTables | None:
+        """The layer's ExpertTables for a store that maps every expert (decode), else None."""
+        if not getattr(store, "maps_every_expert", False):
+            return None
+        if self._tables is None or self._tables_store is not store or self._tables.shared is not shared:
+            self._tables = ExpertTables(len(self.score_bias), shared, self.situ_params)
+            self._tables_store = store
+        return self._tables
 
     def _chunk(self, z: np.ndarray, ids: np.ndarray, weights: np.ndarray, unique: np.ndarray,
                arrivals: Iterator[tuple[int, Expert]], ready: int) -> np.ndarray:

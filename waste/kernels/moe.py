@@ -410,6 +410,78 @@ def _one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]
 _NO_WEIGHTS = np.zeros(0, np.float32)
 
 
+class ExpertTables:
+    """A MoE layer's routed experts (by id) and its shared experts (row E) as rows of the tables
+    `_gated_one_token` reads, so that a decode step whose experts all have rows gathers them
+    with a few NumPy indexing operations instead of building two QBatch per step (in the engine,
+    between kernels that stream megabytes, that Python cost 50-70 us a layer on the EPYC).
+    Rows are added as experts are first handed out (`add`); the tables hold the experts, so the
+    addresses stay valid. `usable` turns False for experts that do not run together (formats,
+    shapes: `run_together`)."""
+
+    def __init__(self, num_experts: int, shared: tuple[QMatrix, QMatrix, QMatrix] | None,
+                 situ_params: tuple[float | None, float | None] | None):
+        rows = num_experts + 1
+        self.shared = shared
+        self.known = np.zeros(rows, bool)
+        self.gate_up = np.zeros((rows, 2, 4), np.int64)
+        self.gate_up_tscales = np.zeros((rows, 2), np.float32)
+        self.down = np.zeros((rows, 4), np.int64)
+        self.down_tscales = np.zeros(rows, np.float32)
+        self.experts: list[tuple[QMatrix, QMatrix, QMatrix] | None] = [None] * rows
+        self.usable = True
+        self._kind: tuple[tuple[str, tuple[int, int]], ...] | None = None  # every routed expert's
+        self._args: tuple = ()
+        beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
+        self._activation = (situ_params is not None, beta, linear_beta)
+
+    def add(self, e: int, expert: tuple[QMatrix, QMatrix, QMatrix]) -> None:
+        """Give expert e its rows (the shared experts' too, with the first one)."""
+        kind = tuple((m.fmt, m.shape) for m in expert)
+        if self._kind is None and self.usable:
+            group = [expert] if self.shared is None else [expert, self.shared]
+            if not run_together(group):
+                self.usable = False
+                return
+            gates_ups = QBatch([m for x in group for m in x[:2]], checked=True)
+            downs = QBatch([x[2] for x in group], checked=True)
+            inner, out = expert[0].shape[0], expert[2].shape[0]
+            self._args = (gates_ups.first_format, gates_ups.likes, downs.first_format, downs.likes, inner, out)
+            self._kind = kind
+            if self.shared is not None:
+                self._set(len(self.known) - 1, self.shared)
+        if kind != self._kind:
+            self.usable = False
+            return
+        self._set(e, expert)
+
+    def _set(self, row: int, expert: tuple[QMatrix, QMatrix, QMatrix]) -> None:
+        gate, up, down = expert
+        self.gate_up[row] = np.frombuffer(gate._qrow + up._qrow, np.int64).reshape(2, 4)  # type: ignore[attr-defined]
+        self.gate_up_tscales[row] = np.frombuffer(gate._qtscale + up._qtscale, np.float32)  # type: ignore[attr-defined]
+        self.down[row] = np.frombuffer(down._qrow, np.int64)  # type: ignore[attr-defined]
+        self.down_tscales[row] = np.frombuffer(down._qtscale, np.float32)[0]  # type: ignore[attr-defined]
+        self.experts[row] = expert
+        self.known[row] = True
+
+    def has(self, ids: np.ndarray) -> bool:
+        """Whether every expert of ids [n] has its rows (and the tables can run them)."""
+        return self.usable and bool(self.known[ids].all())
+
+    def sum_one_token(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """gated_experts_sum_one_token(x, [experts of ids..., shared], weights) for ids [n] with
+        rows (`has`), from the tables: the same kernel on the same rows, the same bits."""
+        rows = ids if self.shared is None else np.append(ids, len(self.known) - 1)
+        gu_first, gu_likes, down_first, down_likes, inner, out = self._args
+        outs = np.empty((len(rows), out), np.float32)
+        y = np.zeros(out, np.float32)
+        _gated_one_token(np.ascontiguousarray(x, np.float32), self.gate_up[rows].reshape(-1, 4),
+                         self.gate_up_tscales[rows].reshape(-1), gu_first, *gu_likes, self.down[rows],
+                         self.down_tscales[rows], down_first, *down_likes, inner, *self._activation, outs,
+                         np.ascontiguousarray(weights, np.float32), y)
+        return y
+
+
 def dense_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
     """Whether gated_experts_one_token runs these float experts together: every matrix f32, or
     every one bf16, the gate and up matrices of one shape and the down matrices of one shape."""
