@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import waste.reference.quant as ref
+from waste.errors import WasteError
 from waste.kernels import bf16
 from waste.kernels.quant import quantize
 
@@ -151,3 +152,25 @@ def test_a_new_caller_links_cached_vdpbf16ps_tiles(tmp_path) -> None:  # noqa: A
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "0.0"
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 4, 32), (5, 37, 50), (9, 256, 96)])
+def test_dense_products_equal_one_product_each(fmt: str, M: int, N: int, K: int) -> None:
+    """f32 and bf16 matrices of one call, each against its own matvec bit for bit, row counts of
+    their own (tails of the 4-row tiles included), inputs shared or one each; mixed formats or
+    widths are refused."""
+    rng = np.random.default_rng(M * 10 + N + K)
+    ms = [quantize((rng.standard_normal((N + 3 * m, K)) * rng.uniform(0.01, 2)).astype(np.float32), fmt)
+          for m in range(M)]
+    X = (rng.standard_normal((3, K)) * [[0.1], [1.0], [30.0]]).astype(np.float32)
+    rows = rng.integers(0, 3, M).astype(np.int64)
+    Y = bf16.dense_products(X, ms, rows)
+    assert Y.shape == (M, N + 3 * (M - 1)) and Y.dtype == np.float32
+    for m, w in enumerate(ms):
+        np.testing.assert_array_equal(Y[m, :w.shape[0]], w.matvec(X[rows[m]]))
+    other = quantize(np.ones((4, K), np.float32), "bf16" if fmt == "f32" else "f32")
+    with pytest.raises(WasteError, match="dense_products"):
+        bf16.dense_products(X, [*ms, other], np.zeros(M + 1, np.int64))
+    with pytest.raises(WasteError, match="dense_products"):
+        bf16.dense_products(X, [*ms, quantize(np.ones((4, K + 32), np.float32), fmt)], np.zeros(M + 1, np.int64))

@@ -345,28 +345,6 @@ def test_qmatrix_is_frozen() -> None:
         m.fmt = "q4g"  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16"])
-@pytest.mark.parametrize(("M", "N", "K"), [(1, 4, 32), (5, 37, 50), (9, 256, 96)])
-def test_dense_products_equal_one_product_each(fmt: str, M: int, N: int, K: int) -> None:
-    """f32 and bf16 matrices of one call, each against its own matvec bit for bit, row counts of
-    their own (tails of the 4-row tiles included), inputs shared or one each; mixed formats or
-    widths are refused."""
-    rng = np.random.default_rng(M * 10 + N + K)
-    ms = [quantize((rng.standard_normal((N + 3 * m, K)) * rng.uniform(0.01, 2)).astype(np.float32), fmt)
-          for m in range(M)]
-    X = (rng.standard_normal((3, K)) * [[0.1], [1.0], [30.0]]).astype(np.float32)
-    rows = rng.integers(0, 3, M).astype(np.int64)
-    Y = qk.dense_products(X, ms, rows)
-    assert Y.shape == (M, N + 3 * (M - 1)) and Y.dtype == np.float32
-    for m, w in enumerate(ms):
-        np.testing.assert_array_equal(Y[m, :w.shape[0]], w.matvec(X[rows[m]]))
-    other = quantize(np.ones((4, K), np.float32), "bf16" if fmt == "f32" else "f32")
-    with pytest.raises(WasteError, match="dense_products"):
-        qk.dense_products(X, [*ms, other], np.zeros(M + 1, np.int64))
-    with pytest.raises(WasteError, match="dense_products"):
-        qk.dense_products(X, [*ms, quantize(np.ones((4, K + 32), np.float32), fmt)], np.zeros(M + 1, np.int64))
-
-
 @pytest.mark.parametrize("fmts", [("q8g",), ("q4g",), ("mxfp4",), ("q4g", "q8g"), ("q8g", "mxfp4")])
 @pytest.mark.parametrize(("M", "N", "K"), [(1, 16, 32), (5, 40, 64), (9, 33, 96)])
 def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int, K: int) -> None:

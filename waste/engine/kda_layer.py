@@ -21,6 +21,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
+from waste.kernels.bf16 import DENSE_FORMATS, dense_products
 from waste.kernels.kda import (
     _gate_kernel,
     _gated_rmsnorm_kernel,
@@ -32,7 +33,7 @@ from waste.kernels.kda import (
 from waste.kernels.kda_chunk import prefill_kda
 from waste.kernels.kda_decode import _deferred_decode_kernel, apply_pending, kda_scale, new_state
 from waste.kernels.kda_step import kda_decode_step, sigmoid_into
-from waste.kernels.quant import DENSE_FORMATS, Q_FORMATS, QBatch, QMatrix, batchable, dense_products, matmul_pair
+from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, batchable, matmul_pair
 from waste.kernels.short_conv import _conv_step_kernel, conv_taps, short_conv_silu
 
 GetMatrix = Callable[[str], QMatrix]

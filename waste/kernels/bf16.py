@@ -1,5 +1,6 @@
 """Products with bfloat16 weights: the arithmetic of AVX512_BF16's `vdpbf16ps`, on any CPU;
-and, through the same tiles, products with float32 weights (`f32_matmul`, at the end).
+and, through the same tiles, products with float32 weights (`f32_matmul`); and many of either
+(a decode step's) in one call (`dense_products`, at the end).
 
 A bf16 matrix `[N, K]` (uint16 bits) multiplies activations that are first rounded to
 bfloat16 (`round_to_bf16`: round to nearest even, subnormals to zero, as `vcvtneps2bf16`).
@@ -25,14 +26,21 @@ Shapes: w [N, K] uint16 (float32 for `f32_matmul`), X [T, K] float32, Y [T, N] f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import llvmlite.binding as llvm
+import numba
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
+from waste.kernels.pointers import pointer
 
+DENSE_FORMATS = ("f32", "bf16")  # the QMatrix formats of these products (dense_products)
 LANES = 16  # float32 lanes of one 512-bit accumulator
 PAIR_BLOCK = 2 * LANES  # bf16 inputs one vdpbf16ps consumes per row
 ROW_TILE = 4  # rows sharing one pass over a token's activations (one-token products)
@@ -47,7 +55,7 @@ SERIAL_BYTES = 65536
 # Numba's JIT assembles inline asm (vdpbf16ps, below) only once the native asm parser is
 # initialised, and it must be whenever a kernel linking these tiles compiles, also when the
 # tiles themselves come from Numba's cache (a caller in another module, recompiled, links their
-# IR again: quant's dense_products). Initialising it here, at import, covers every such case.
+# IR again). Initialising it here, at import, covers every such case.
 llvm.initialize_native_asmparser()
 
 _I1, _I16, _I32, _F32 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -373,3 +381,53 @@ def f32_matmul(w: np.ndarray, X: np.ndarray) -> np.ndarray:
     Y = np.empty((X.shape[0], w.shape[0]), np.float32)
     _run_blocks(w, X, Y)
     return Y
+
+
+def dense_products(X: np.ndarray, matrices: Sequence[Any], rows: np.ndarray) -> np.ndarray:
+    """Y [M, Nmax] with Y[m, :N_m] = W_m X[rows[m]], for X [R, K] float32 and M QMatrix W_m
+    [N_m, K] all f32 or all bf16 (waste.kernels.quant, which imports this module), in one
+    kernel call (`_dense_products`): bit for bit W_m.matvec(X[rows[m]]). A decode step's f32 or
+    bf16 experts take two such calls instead of two parallel regions per product. rows [M]
+    int64 in [0, R) (unchecked)."""
+    fmt, k = matrices[0].fmt, matrices[0].shape[1]
+    X = np.ascontiguousarray(X, np.float32)
+    if fmt not in DENSE_FORMATS or any(m.fmt != fmt or m.shape[1] != k for m in matrices) or X.shape[1:] != (k,):
+        raise WasteError(f"dense_products multiplies f32 or bf16 matrices of one format and width by [R, K] inputs, "
+                         f"got {sorted({(m.fmt, m.shape) for m in matrices})} and {X.shape}")
+    table = np.frombuffer(b"".join([m._drow for m in matrices]), np.int64).reshape(-1, 2)  # type: ignore[attr-defined]
+    xs = X if fmt == "f32" else bf16_operand(X)
+    like = matrices[0].buffers["w"][:0]
+    Y = np.empty((len(matrices), 1, int(table[:, 1].max())), np.float32)
+    _dense_products(xs, rows, table, like, Y)
+    return Y[:, 0]
+
+
+@parallel_kernel
+def _dense_products(xs, rows, table, like, Y):
+    """Y[m, 0, :N_m] = xs[rows[m]] W_m^T for M matrices of one dense format (like: the weights'
+    dtype, K columns, no rows) read by address (table [M, 2]: address, N_m), in blocks of
+    ROW_TILE rows as f32_matmul and bf16_matmul make them for one token; xs as those pass it
+    to the tiles. The blocks of all the matrices run in one parallel region."""
+    M = table.shape[0]
+    items = 0
+    for m in range(M):
+        items += (table[m, 1] + ROW_TILE - 1) // ROW_TILE
+    item_matrix = np.empty(items, np.int64)
+    item_row = np.empty(items, np.int64)
+    i = 0
+    for m in range(M):
+        for n0 in range(0, table[m, 1], ROW_TILE):
+            item_matrix[i] = m
+            item_row[i] = n0
+            i += 1
+    for i in prange(items):
+        _dense_rows(xs, rows, table, like, Y, item_matrix[i], item_row[i])
+
+
+@kernel
+def _dense_rows(xs, rows, table, like, Y, m, n0):
+    """Rows n0 .. n0 + ROW_TILE of matrix m of _dense_products."""
+    N = table[m, 1]
+    w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
+    r = rows[m]
+    _row_block(w, xs[r:r + 1], Y[m], n0, min(N, n0 + ROW_TILE))

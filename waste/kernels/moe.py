@@ -31,7 +31,8 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
-from waste.kernels.quant import DENSE_FORMATS, Q_FORMATS, QBatch, QMatrix, _q_products, dense_products, matmul_pair
+from waste.kernels.bf16 import DENSE_FORMATS, dense_products
+from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, _q_products, matmul_pair
 from waste.qformat import ROWS
 
 ROUTER_WEIGHTS = ("unbiased", "biased")

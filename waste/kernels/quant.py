@@ -41,19 +41,17 @@ from dataclasses import dataclass
 import ml_dtypes
 import numba
 import numpy as np
-from numba.core import types
-from numba.extending import intrinsic
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels import mxfp4
-from waste.kernels.bf16 import ROW_TILE, _row_block, bf16_matmul, bf16_operand, f32_matmul
+from waste.kernels.bf16 import bf16_matmul, f32_matmul
 from waste.kernels.int8_blocks import ISA, make_rows
+from waste.kernels.pointers import pointer
 from waste.kernels.quantize import quantize_grouped
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
 
 Q_FORMATS = ("q8g", "q4g", "mxfp4")  # the formats of the integer products
-DENSE_FORMATS = ("f32", "bf16")  # the formats of the float products (waste.kernels.bf16's tiles)
 # An mxfp4 product sums twice the E2M1 values: the per-matrix scale halves it.
 MXFP4_TSCALE = np.array([0.5], np.float32)
 
@@ -268,55 +266,6 @@ def q_spans(X: np.ndarray, matrices: Sequence[QMatrix], x_start: Sequence[int], 
     return batch.spans(X, a, n, b, int(out_rows))[:, :max(m.shape[0] for m in matrices)]
 
 
-def dense_products(X: np.ndarray, matrices: Sequence[QMatrix], rows: np.ndarray) -> np.ndarray:
-    """Y [M, Nmax] with Y[m, :N_m] = W_m X[rows[m]], for X [R, K] float32 and M matrices W_m
-    [N_m, K] all f32 or all bf16, in one kernel call (`_dense_products`): bit for bit
-    W_m.matvec(X[rows[m]]). A decode step's f32 or bf16 experts take two such calls instead of
-    two parallel regions per product. rows [M] int64 in [0, R) (unchecked)."""
-    fmt, k = matrices[0].fmt, matrices[0].shape[1]
-    X = np.ascontiguousarray(X, np.float32)
-    if fmt not in DENSE_FORMATS or any(m.fmt != fmt or m.shape[1] != k for m in matrices) or X.shape[1:] != (k,):
-        raise WasteError(f"dense_products multiplies f32 or bf16 matrices of one format and width by [R, K] inputs, "
-                         f"got {sorted({(m.fmt, m.shape) for m in matrices})} and {X.shape}")
-    table = np.frombuffer(b"".join([m._drow for m in matrices]), np.int64).reshape(-1, 2)  # type: ignore[attr-defined]
-    xs = X if fmt == "f32" else bf16_operand(X)
-    like = matrices[0].buffers["w"][:0]
-    Y = np.empty((len(matrices), 1, int(table[:, 1].max())), np.float32)
-    _dense_products(xs, rows, table, like, Y)
-    return Y[:, 0]
-
-
-@parallel_kernel
-def _dense_products(xs, rows, table, like, Y):
-    """Y[m, 0, :N_m] = xs[rows[m]] W_m^T for M matrices of one dense format (like: the weights'
-    dtype, K columns, no rows) read by address (table [M, 2]: address, N_m), in blocks of
-    ROW_TILE rows as f32_matmul and bf16_matmul make them for one token; xs as those pass it
-    to the tiles. The blocks of all the matrices run in one parallel region."""
-    M = table.shape[0]
-    items = 0
-    for m in range(M):
-        items += (table[m, 1] + ROW_TILE - 1) // ROW_TILE
-    item_matrix = np.empty(items, np.int64)
-    item_row = np.empty(items, np.int64)
-    i = 0
-    for m in range(M):
-        for n0 in range(0, table[m, 1], ROW_TILE):
-            item_matrix[i] = m
-            item_row[i] = n0
-            i += 1
-    for i in prange(items):
-        _dense_rows(xs, rows, table, like, Y, item_matrix[i], item_row[i])
-
-
-@kernel
-def _dense_rows(xs, rows, table, like, Y, m, n0):
-    """Rows n0 .. n0 + ROW_TILE of matrix m of _dense_products."""
-    N = table[m, 1]
-    w = numba.carray(_pointer(table[m, 0], like), (N, like.shape[1]))
-    r = rows[m]
-    _row_block(w, xs[r:r + 1], Y[m], n0, min(N, n0 + ROW_TILE))
-
-
 def quantize(w: np.ndarray, fmt: str) -> QMatrix:
     """Store a float weight matrix [N, K] in format `fmt` (q formats: finite weights only)."""
     w = np.asarray(w)
@@ -473,18 +422,6 @@ def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
                 _rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
 
 
-@intrinsic
-def _pointer(typingctx, address, like):
-    """The integer `address` as a pointer to `like`'s dtype (for numba.carray)."""
-    if not isinstance(address, types.Integer) or not isinstance(like, types.Array):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return types.CPointer(like.dtype)(address, like), codegen
-
-
 @parallel_kernel
 def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, Y):
     """Y[m, 0, :16 NB_m] = X[rows[m]] W_m^T for M q matrices of one input width (G groups) and at
@@ -554,8 +491,8 @@ def _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, m,
     """Row block b of matrix m of _q_products, its format given by like_qs and like_scales."""
     NB = table[m, 2]
     G = like_qs.shape[1]
-    qs = numba.carray(_pointer(table[m, 0], like_qs), (NB, G, like_qs.shape[2]))
-    scales = numba.carray(_pointer(table[m, 1], like_scales), (NB, G, ROWS))
+    qs = numba.carray(pointer(table[m, 0], like_qs), (NB, G, like_qs.shape[2]))
+    scales = numba.carray(pointer(table[m, 1], like_scales), (NB, G, ROWS))
     r = rows[m]
     _rows(qs, scales, xq[r:r + 1], xsum[r:r + 1], xs[r:r + 1], Y[m], tscales[m], b)
 
@@ -645,7 +582,7 @@ def _span_rows(x_start, count, y_start, table, tscales, like_qs, like_scales, Y,
     """Row block b of matrix m of _q_spans on its rows, its format given by like_qs and like_scales."""
     NB = table[m, 2]
     G = like_qs.shape[1]
-    qs = numba.carray(_pointer(table[m, 0], like_qs), (NB, G, like_qs.shape[2]))
-    scales = numba.carray(_pointer(table[m, 1], like_scales), (NB, G, ROWS))
+    qs = numba.carray(pointer(table[m, 0], like_qs), (NB, G, like_qs.shape[2]))
+    scales = numba.carray(pointer(table[m, 1], like_scales), (NB, G, ROWS))
     x0, n, y0 = x_start[m], count[m], y_start[m]
     _rows(qs, scales, xq[x0:x0 + n], xsum[x0:x0 + n], xs[x0:x0 + n], Y[y0:y0 + n], tscales[m], b)
