@@ -14,7 +14,9 @@ and adds their outputs in id order whatever the order of arrival (the same bits 
 hits of a cache; everything for `get`): a decode step runs those together, in one kernel call
 for all of them (`waste.kernels.moe.gated_experts_one_token`; with the shared experts and the
 weighted sum when all are ready, `gated_experts_sum_one_token`), and each later one as it
-arrives.
+arrives. A store that maps every expert (`maps_every_expert`: the memory map) is asked only to
+count a decode step's request once the layer holds the step's experts as rows of that call's
+tables (`waste.kernels.moe.ExpertTables`, filled as experts first come through `fetch`).
 
 Every MLP here (dense, shared and routed experts) is gated: down(act(gate x, up x)), with
 act = SiLU(g) * u (SwiGLU, `hidden_act` "silu") or SiTU (K3, "situ"; see `waste.kernels.moe`).
