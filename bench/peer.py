@@ -311,8 +311,7 @@ def main() -> int:
         "waste_default_prefill_chunk": DEFAULT_PREFILL_CHUNK, "copy_bandwidth": bandwidth,
         "agreement_f32": check, "formats": rows, "q4_fraction_of_copy_bandwidth": q4_fraction,
         "targets": [{"target": n, "measured": v, "required": q, "met": v >= q} for n, v, q in met],
-    })
-    print(f"wrote {args.out}")
+    })  # write_json says where
     return 0
 
 
