@@ -160,6 +160,14 @@ def situ_betas(beta: float | None, linear_beta: float | None) -> tuple[float, fl
     return b, float(linear_beta)
 
 
+def activation_args(situ_params: tuple[float | None, float | None] | None) -> tuple[bool, float, float]:
+    """(use_situ, beta, linear_beta) of the kernels that take either activation: SwiGLU for
+    situ_params None, else SiTU with `situ_betas`."""
+    if situ_params is None:
+        return False, 1.0, 0.0
+    return (True, *situ_betas(*situ_params))
+
+
 def situ(g: np.ndarray, u: np.ndarray, beta: float | None, linear_beta: float | None) -> np.ndarray:
     """SiTU(g, u) elementwise, float32, for gate and up values g, u of one shape."""
     g = np.ascontiguousarray(g, np.float32)
@@ -309,6 +317,15 @@ def _add_weighted(outs, weights, y):
             y[j] += w * outs[e, j]
 
 
+@kernel
+def _weighted_sum(outs, weights, y):
+    """y += weights[e] outs[e] for the first len(weights) rows in turn, then += outs[e] of each
+    later one (1 w = w: the bits of y += w), all through `_add_weighted`."""
+    n = weights.size
+    _add_weighted(outs[:n], weights, y)
+    _add_weighted(outs[n:], np.ones(outs.shape[0] - n, np.float32), y)
+
+
 def add_weighted(y: np.ndarray, outs: np.ndarray, weights: np.ndarray) -> None:
     """y += weights[e] * outs[e] for e = 0, 1, .. in turn, in float32: the bits of NumPy's
     `y += w * out` row by row, in one call; y [N], outs [E, N], weights [E], float32."""
@@ -354,8 +371,7 @@ def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_
                 down_scales_b, down)
     outs[:, :] = down[:, 0, :out]
     if y.size:
-        _add_weighted(outs[:weights.size], weights, y)
-        _add_weighted(outs[weights.size:], np.ones(n - weights.size, np.float32), y)  # 1 w = w: y += w
+        _weighted_sum(outs, weights, y)
 
 
 def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
@@ -390,21 +406,22 @@ def _one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]
     """gated_experts_one_token's rows (weights None), or gated_experts_sum_one_token's sum."""
     if weights is not None and not weights.shape[0] <= len(experts):
         raise WasteError(f"{weights.shape[0]} weights for {len(experts)} experts")
-    if not run_together(experts):
-        return _dense_one_token(x, experts, situ_params, weights) if dense_together(experts) else None
+    together = run_together(experts)
+    if not together and not dense_together(experts):
+        return None
     (inner, width), out = experts[0][0].shape, experts[0][2].shape[0]
     x = np.ascontiguousarray(x, np.float32)
     if x.shape != (1, width) or experts[0][2].shape[1] != inner:
         raise WasteError(f"experts [{inner}, {width}] -> [{out}, {experts[0][2].shape[1]}] cannot take x {x.shape}")
+    if not together:
+        return _dense_one_token(x, experts, situ_params, weights)
     gates_ups = QBatch([m for e in experts for m in e[:2]], checked=True)
     downs = QBatch([e[2] for e in experts], checked=True)
-    beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
     outs = np.empty((len(experts), out), np.float32)
     y = np.zeros(0 if weights is None else out, np.float32)
     _gated_one_token(x, gates_ups.table, gates_ups.tscales, gates_ups.first_format, *gates_ups.likes,
                      downs.table, downs.tscales, downs.first_format, *downs.likes,
-                     inner, situ_params is not None, beta, linear_beta, outs,
-                     _NO_WEIGHTS if weights is None else weights, y)
+                     inner, *activation_args(situ_params), outs, _NO_WEIGHTS if weights is None else weights, y)
     return outs if weights is None else y
 
 
@@ -433,8 +450,7 @@ class ExpertTables:
         self.usable = True
         self._kind: tuple[tuple[str, tuple[int, int]], ...] | None = None  # every routed expert's
         self._args: tuple = ()
-        beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
-        self._activation = (situ_params is not None, beta, linear_beta)
+        self._activation = activation_args(situ_params)
 
     def add(self, e: int, expert: tuple[QMatrix, QMatrix, QMatrix]) -> None:
         """Give expert e its rows (the shared experts' too, with the first one)."""
@@ -497,21 +513,16 @@ def _dense_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QM
     """_one_token for f32 or bf16 experts (`dense_together`): every gate and up product in one
     call (`dense_products`), the activations, every down product in one more, then the sum;
     each row the bits of swiglu / situ_mlp, the sum those of add_weighted and +=."""
-    n, (inner, width), out = len(experts), experts[0][0].shape, experts[0][2].shape[0]
-    x = np.ascontiguousarray(x, np.float32)
-    if x.shape != (1, width) or experts[0][2].shape[1] != inner:
-        raise WasteError(f"experts [{inner}, {width}] -> [{out}, {experts[0][2].shape[1]}] cannot take x {x.shape}")
+    n, inner, out = len(experts), experts[0][0].shape[0], experts[0][2].shape[0]
     gate_up = dense_products(x, [m for e in experts for m in e[:2]], np.zeros(2 * n, np.int64))
     gate, up = np.ascontiguousarray(gate_up[0::2, :inner]), np.ascontiguousarray(gate_up[1::2, :inner])
-    beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
     h = np.empty_like(gate)
-    _activate_rows(gate, up, situ_params is not None, beta, linear_beta, h)
+    _activate_rows(gate, up, *activation_args(situ_params), h)
     outs = np.ascontiguousarray(dense_products(h, [e[2] for e in experts], np.arange(n, dtype=np.int64))[:, :out])
     if weights is None:
         return outs
     y = np.zeros(out, np.float32)
-    _add_weighted(outs[:weights.shape[0]], weights, y)
-    _add_weighted(outs[weights.shape[0]:], np.ones(n - weights.shape[0], np.float32), y)  # 1 w = w: y += w
+    _weighted_sum(outs, weights, y)
     return y
 
 
@@ -551,11 +562,11 @@ def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatr
         gate_up = gates_ups.spans(x, np.repeat(x_start, 2), np.repeat(count, 2), both, 2 * rows)
         gate, up = np.ascontiguousarray(gate_up[:rows, :inner]), np.ascontiguousarray(gate_up[rows:, :inner])
     h = np.empty_like(gate)
-    beta, linear_beta = situ_betas(*situ_params) if situ_params is not None else (1.0, 0.0)
-    if situ_params is not None and gate.size > SITU_BLOCK:  # a prefill's: on all cores
+    use_situ, beta, linear_beta = activation_args(situ_params)
+    if use_situ and gate.size > SITU_BLOCK:  # a prefill's: on all cores
         _situ_blocks(gate.reshape(-1), up.reshape(-1), beta, linear_beta, h.reshape(-1))
     else:
-        _activate_rows(gate, up, situ_params is not None, beta, linear_beta, h)
+        _activate_rows(gate, up, use_situ, beta, linear_beta, h)
     if one_row_each:
         return downs(h, np.arange(n, dtype=np.int64))[:, :out]
     return downs.spans(h, y_start, count, y_start, rows)[:, :out]
