@@ -40,7 +40,9 @@ def kda_decode_step(x, first_rows, first_table, first_tscales, first_format, fir
 
     first_*: the QBatch of the six products that read x (q, k, v, f_a, the gate's first or
     only matrix, b); mid_*: the QBatch of the rank-K products (f_b on f_a x; g_b on the gate's
-    low rank when low_rank_gate); o_*: the output matrix's q arguments (QMatrix._qargs)."""
+    low rank when low_rank_gate); o_*: the output matrix's q arguments (QMatrix._qargs).
+    l2norm_qk arrives as an argument (True): passed as a literal here, it compiled the
+    recurrence specialised, which then rounded an ulp away from the call-by-call step."""
     H, K = g.shape
     HK = H * K
     products = np.empty((first_table.shape[0], 1, ROWS * first_table[:, 2].max()), np.float32)
