@@ -204,7 +204,8 @@ def test_logits_do_not_depend_on_the_thread_count(tmp_path, quant):
     np.testing.assert_array_equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize(("preset", "quant"), [("tiny", "q4"), ("tiny", "q8"), ("k3-tiny", "q8")])
+@pytest.mark.parametrize(("preset", "quant"), [("tiny", "q4"), ("tiny", "q8"), ("tiny", "f32"), ("tiny", "bf16"),
+                                             ("k3-tiny", "q8")])
 def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, preset, quant):
     """A memory-mapped store's decode gathers a layer's experts from its ExpertTables; a store
     that does not say it maps every expert takes the path through `fetch`. Logits bit for bit

@@ -375,6 +375,41 @@ def _run_blocks(w, xs, Y):
             _row_block(w, xs, Y, i * rows, min(N, i * rows + rows))
 
 
+# How `_operand_into` writes activations in the form a dense format's tiles read
+# (`operand_mode`): as they are (f32), rounded to bf16 bits (vdpbf16ps), or rounded and in the
+# portable path's pair layout.
+AS_IS, BF16_BITS, BF16_SPLIT = 0, 1, 2
+
+
+def operand_mode(fmt: str) -> int:
+    """The form of `fmt`'s ("f32" or "bf16") operand on this host, for `_operand_into`."""
+    return AS_IS if fmt == "f32" else BF16_BITS if NATIVE else BF16_SPLIT
+
+
+def operand_buffer(fmt: str, T: int, K: int) -> np.ndarray:
+    """An empty operand for T rows of K activations, as `fmt`'s tiles read it on this host."""
+    if fmt == "f32":
+        return np.empty((T, K), np.float32)
+    return np.empty((T, padded_inputs(K)), np.uint16 if NATIVE else np.float32)
+
+
+@kernel(fastmath=False)
+def _operand_into(X, out, mode):
+    """out = X [T, K] float32 in the form `mode` names (operand_mode), inside a compiled caller:
+    the bits dense_products' own conversion gives."""
+    if mode == AS_IS:
+        out[:, :] = X
+    elif mode == BF16_BITS:
+        _round_rows(X, out)
+    else:
+        _round_split(X, out)
+
+
+def dense_operand(X: np.ndarray, fmt: str) -> np.ndarray:
+    """X [T, K] (C-contiguous float32) as `fmt`'s tiles read it: X itself for f32."""
+    return X if fmt == "f32" else bf16_operand(X)
+
+
 def bf16_operand(X: np.ndarray, *, native: bool = NATIVE) -> np.ndarray:
     """X [T, K] float32 (C-contiguous) as the bf16 tiles read it: rounded to bf16 bits [T, Kp]
     uint16 for vdpbf16ps (`native`), else float32 in the portable path's pair layout."""
@@ -416,12 +451,18 @@ def dense_products(X: np.ndarray, matrices: Sequence[Any], rows: np.ndarray) -> 
     if fmt not in DENSE_FORMATS or any(m.fmt != fmt or m.shape[1] != k for m in matrices) or X.shape[1:] != (k,):
         raise WasteError(f"dense_products multiplies f32 or bf16 matrices of one format and width by [R, K] inputs, "
                          f"got {sorted({(m.fmt, m.shape) for m in matrices})} and {X.shape}")
-    table = np.frombuffer(b"".join([m._drow for m in matrices]), np.int64).reshape(-1, 2)  # type: ignore[attr-defined]
-    xs = X if fmt == "f32" else bf16_operand(X)
+    table = dense_table(matrices)
+    xs = dense_operand(X, fmt)
     like = matrices[0].buffers["w"][:0]
     Y = np.empty((len(matrices), 1, int(table[:, 1].max())), np.float32)
     _dense_products(xs, rows, table, like, Y)
     return Y[:, 0]
+
+
+def dense_table(matrices: Sequence[Any]) -> np.ndarray:
+    """[M, 2] int64: each f32 or bf16 QMatrix's weights address and row count, as
+    `_dense_products` reads them."""
+    return np.frombuffer(b"".join([m._drow for m in matrices]), np.int64).reshape(-1, 2)
 
 
 @parallel_kernel

@@ -31,7 +31,15 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
-from waste.kernels.bf16 import DENSE_FORMATS, dense_products
+from waste.kernels.bf16 import (
+    DENSE_FORMATS,
+    _dense_products,
+    _operand_into,
+    dense_operand,
+    dense_table,
+    operand_buffer,
+    operand_mode,
+)
 from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, _q_products, matmul_pair
 from waste.qformat import ROWS
 
@@ -383,8 +391,8 @@ def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMat
     For q matrices, one kernel call whatever the number of experts (`_gated_one_token`): every
     expert's gate and up rows in one parallel region (x quantised once), the activations,
     every down product in one more region; one by one, each expert takes four calls and two
-    parallel regions of 16-64 row blocks. For f32 or bf16 experts, two product calls
-    (`_dense_one_token`). None when the experts are neither q matrices of one shape and at
+    parallel regions of 16-64 row blocks. For f32 or bf16 experts, one call too
+    (`_dense_gated_one_token`). None when the experts are neither q matrices of one shape and at
     most two formats per projection (`run_together`) nor float matrices of one format and
     shape (`dense_together`): the caller runs them one by one.
     """
@@ -430,25 +438,23 @@ _NO_WEIGHTS = np.zeros(0, np.float32)
 
 class ExpertTables:
     """A MoE layer's routed experts (by id) and its shared experts (row E) as rows of the tables
-    `_gated_one_token` reads, so that a decode step whose experts all have rows gathers them
-    with a few NumPy indexing operations instead of building two QBatch per step (in the engine,
-    between kernels that stream megabytes, that Python cost 50-70 us a layer on the EPYC).
-    Rows are added as experts are first handed out (`add`); the tables hold the experts, so the
-    addresses stay valid. `usable` turns False for experts that do not run together (formats,
-    shapes: `run_together`)."""
+    `_gated_one_token` (q formats) or `_dense_gated_one_token` (f32, bf16) reads, so that a
+    decode step whose experts all have rows gathers them with a few NumPy indexing operations
+    instead of building the tables per step (in the engine, between kernels that stream
+    megabytes, that Python cost 50-70 us a layer on the EPYC). Rows are added as experts are
+    first handed out (`add`); the tables hold the experts, so the addresses stay valid. `usable`
+    turns False for experts that do not run together (formats, shapes: `run_together`,
+    `dense_together`)."""
 
     def __init__(self, num_experts: int, shared: tuple[QMatrix, QMatrix, QMatrix] | None,
                  situ_params: tuple[float | None, float | None] | None):
         rows = num_experts + 1
         self.shared = shared
         self.known = np.zeros(rows, bool)
-        self.gate_up = np.zeros((rows, 2, 4), np.int64)
-        self.gate_up_tscales = np.zeros((rows, 2), np.float32)
-        self.down = np.zeros((rows, 4), np.int64)
-        self.down_tscales = np.zeros(rows, np.float32)
         self.experts: list[tuple[QMatrix, QMatrix, QMatrix] | None] = [None] * rows
         self.usable = True
         self._kind: tuple[tuple[str, tuple[int, int]], ...] | None = None  # every routed expert's
+        self._dense_format: str | None = None  # "f32" or "bf16" for dense experts, None for q ones
         self._args: tuple = ()
         self._activation = activation_args(situ_params)
 
@@ -457,16 +463,27 @@ class ExpertTables:
         kind = tuple((m.fmt, m.shape) for m in expert)
         if self._kind is None and self.usable:
             group = [expert] if self.shared is None else [expert, self.shared]
-            if not run_together(group):
+            inner, out = expert[0].shape[0], expert[2].shape[0]
+            if run_together(group):
+                gates_ups = QBatch([m for x in group for m in x[:2]], checked=True)
+                downs = QBatch([x[2] for x in group], checked=True)
+                self._args = (gates_ups.first_format, gates_ups.likes, downs.first_format, downs.likes, inner, out)
+                width = 4  # a q row: address, shape, format as QBatch.table holds it
+            elif dense_together(group):
+                self._dense_format = expert[0].fmt
+                self._args = (expert[0].buffers["w"][:0], expert[2].buffers["w"][:0], inner, out)
+                width = 2  # address and row count (dense_table)
+            else:
                 self.usable = False
                 return
-            gates_ups = QBatch([m for x in group for m in x[:2]], checked=True)
-            downs = QBatch([x[2] for x in group], checked=True)
-            inner, out = expert[0].shape[0], expert[2].shape[0]
-            self._args = (gates_ups.first_format, gates_ups.likes, downs.first_format, downs.likes, inner, out)
+            rows = len(self.known)
+            self.gate_up = np.zeros((rows, 2, width), np.int64)
+            self.down = np.zeros((rows, width), np.int64)
+            self.gate_up_tscales = np.zeros((rows, 2), np.float32)  # q formats only
+            self.down_tscales = np.zeros(rows, np.float32)
             self._kind = kind
             if self.shared is not None:
-                self._set(len(self.known) - 1, self.shared)
+                self._set(rows - 1, self.shared)
         if kind != self._kind:
             self.usable = False
             return
@@ -474,10 +491,14 @@ class ExpertTables:
 
     def _set(self, row: int, expert: tuple[QMatrix, QMatrix, QMatrix]) -> None:
         gate, up, down = expert
-        self.gate_up[row] = np.frombuffer(gate._qrow + up._qrow, np.int64).reshape(2, 4)  # type: ignore[attr-defined]
-        self.gate_up_tscales[row] = np.frombuffer(gate._qtscale + up._qtscale, np.float32)  # type: ignore[attr-defined]
-        self.down[row] = np.frombuffer(down._qrow, np.int64)  # type: ignore[attr-defined]
-        self.down_tscales[row] = np.frombuffer(down._qtscale, np.float32)[0]  # type: ignore[attr-defined]
+        if self._dense_format is not None:
+            self.gate_up[row] = dense_table([gate, up])
+            self.down[row] = dense_table([down])[0]
+        else:
+            self.gate_up[row] = np.frombuffer(gate._qrow + up._qrow, np.int64).reshape(2, 4)  # type: ignore[attr-defined]
+            self.gate_up_tscales[row] = np.frombuffer(gate._qtscale + up._qtscale, np.float32)  # type: ignore[attr-defined]
+            self.down[row] = np.frombuffer(down._qrow, np.int64)  # type: ignore[attr-defined]
+            self.down_tscales[row] = np.frombuffer(down._qtscale, np.float32)[0]  # type: ignore[attr-defined]
         self.experts[row] = expert
         self.known[row] = True
 
@@ -489,13 +510,23 @@ class ExpertTables:
         """gated_experts_sum_one_token(x, [experts of ids..., shared], weights) for ids [n] with
         rows (`has`), from the tables: the same kernel on the same rows, the same bits."""
         rows = ids if self.shared is None else np.append(ids, len(self.known) - 1)
+        x = np.ascontiguousarray(x, np.float32)
+        weights = np.ascontiguousarray(weights, np.float32)
+        fmt = self._dense_format
+        if fmt is not None:
+            gu_like, down_like, inner, out = self._args
+            outs = np.empty((len(rows), out), np.float32)
+            y = np.zeros(out, np.float32)
+            _dense_gated_one_token(dense_operand(x, fmt), self.gate_up[rows].reshape(-1, 2), gu_like,
+                                   self.down[rows], down_like, inner, *self._activation, operand_mode(fmt),
+                                   operand_buffer(fmt, len(rows), inner), outs, weights, y)
+            return y
         gu_first, gu_likes, down_first, down_likes, inner, out = self._args
         outs = np.empty((len(rows), out), np.float32)
         y = np.zeros(out, np.float32)
-        _gated_one_token(np.ascontiguousarray(x, np.float32), self.gate_up[rows].reshape(-1, 4),
-                         self.gate_up_tscales[rows].reshape(-1), gu_first, *gu_likes, self.down[rows],
-                         self.down_tscales[rows], down_first, *down_likes, inner, *self._activation, outs,
-                         np.ascontiguousarray(weights, np.float32), y)
+        _gated_one_token(x, self.gate_up[rows].reshape(-1, 4), self.gate_up_tscales[rows].reshape(-1), gu_first,
+                         *gu_likes, self.down[rows], self.down_tscales[rows], down_first, *down_likes, inner,
+                         *self._activation, outs, weights, y)
         return y
 
 
@@ -510,20 +541,43 @@ def dense_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
 def _dense_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
                      situ_params: tuple[float | None, float | None] | None, weights: np.ndarray | None
                      ) -> np.ndarray:
-    """_one_token for f32 or bf16 experts (`dense_together`): every gate and up product in one
-    call (`dense_products`), the activations, every down product in one more, then the sum;
-    each row the bits of swiglu / situ_mlp, the sum those of add_weighted and +=."""
-    n, inner, out = len(experts), experts[0][0].shape[0], experts[0][2].shape[0]
-    gate_up = dense_products(x, [m for e in experts for m in e[:2]], np.zeros(2 * n, np.int64))
-    gate, up = np.ascontiguousarray(gate_up[0::2, :inner]), np.ascontiguousarray(gate_up[1::2, :inner])
-    h = np.empty_like(gate)
-    _activate_rows(gate, up, *activation_args(situ_params), h)
-    outs = np.ascontiguousarray(dense_products(h, [e[2] for e in experts], np.arange(n, dtype=np.int64))[:, :out])
-    if weights is None:
-        return outs
-    y = np.zeros(out, np.float32)
-    _weighted_sum(outs, weights, y)
-    return y
+    """_one_token for f32 or bf16 experts (`dense_together`), in one call
+    (`_dense_gated_one_token`)."""
+    fmt, n, inner, out = experts[0][0].fmt, len(experts), experts[0][0].shape[0], experts[0][2].shape[0]
+    gates_ups, downs = [m for e in experts for m in e[:2]], [e[2] for e in experts]
+    outs = np.empty((n, out), np.float32)
+    y = np.zeros(0 if weights is None else out, np.float32)
+    _dense_gated_one_token(dense_operand(x, fmt), dense_table(gates_ups), gates_ups[0].buffers["w"][:0],
+                           dense_table(downs), downs[0].buffers["w"][:0], inner, *activation_args(situ_params),
+                           operand_mode(fmt), operand_buffer(fmt, n, inner), outs,
+                           _NO_WEIGHTS if weights is None else weights, y)
+    return outs if weights is None else y
+
+
+@parallel_kernel
+def _dense_gated_one_token(xs, gu_table, gu_like, down_table, down_like, inner, use_situ, beta, linear_beta,
+                           operand_mode, hs, outs, weights, y):
+    """_gated_one_token for E f32 or bf16 experts (one format): every gate and up product (rows
+    2e and 2e + 1 of gu_table, `dense_table`) in one parallel region on xs (x as the tiles read
+    it), the activations, written into hs in the same form (`_operand_into`), every down
+    product in one more region; y += the weighted rows as there. Each row the bits of swiglu /
+    situ_mlp, the sum those of add_weighted and += (the calls and arrays of dense_products)."""
+    n, out = outs.shape
+    gate_up = np.empty((2 * n, 1, gu_table[:, 1].max()), np.float32)
+    _dense_products(xs, np.zeros(2 * n, np.int64), gu_table, gu_like, gate_up)
+    gate = np.empty((n, inner), np.float32)
+    up = np.empty((n, inner), np.float32)
+    for e in range(n):
+        gate[e] = gate_up[2 * e, 0, :inner]
+        up[e] = gate_up[2 * e + 1, 0, :inner]
+    h = np.empty((n, inner), np.float32)
+    _activate_rows(gate, up, use_situ, beta, linear_beta, h)
+    _operand_into(h, hs, operand_mode)
+    down = np.empty((n, 1, down_table[:, 1].max()), np.float32)
+    _dense_products(hs, np.arange(n), down_table, down_like, down)
+    outs[:, :] = down[:, 0, :out]
+    if y.size:
+        _weighted_sum(outs, weights, y)
 
 
 def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]], x_start: np.ndarray,
