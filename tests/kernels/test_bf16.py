@@ -170,7 +170,47 @@ def test_dense_products_equal_one_product_each(fmt: str, M: int, N: int, K: int)
     for m, w in enumerate(ms):
         np.testing.assert_array_equal(Y[m, :w.shape[0]], w.matvec(X[rows[m]]))
     other = quantize(np.ones((4, K), np.float32), "bf16" if fmt == "f32" else "f32")
-    with pytest.raises(WasteError, match="dense_products"):
+    with pytest.raises(WasteError, match="dense products"):
         bf16.dense_products(X, [*ms, other], np.zeros(M + 1, np.int64))
-    with pytest.raises(WasteError, match="dense_products"):
+    with pytest.raises(WasteError, match="dense products"):
         bf16.dense_products(X, [*ms, quantize(np.ones((4, K + 32), np.float32), fmt)], np.zeros(M + 1, np.int64))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dense_spans_equal_each_matrix_on_its_rows(fmt: str, threads: int) -> None:
+    """DenseBatch.spans (a prefill's f32 or bf16 experts on their tokens: empty runs, single
+    rows, runs longer than a tile, runs that overlap or share rows; rows not a multiple of the
+    row tile, K not of 32), written to rows of their own in a NaN-filled output: each run
+    equals the matrix's own matmul bit for bit, and nothing else is written."""
+    import numba
+
+    rng = np.random.default_rng(threads + (fmt == "bf16") * 10)
+    K, R = 72, 70
+    counts = [0, 1, 3, 17, 33, 5, 0, 16, 40, 2, 9]
+    ms = [quantize((rng.standard_normal((int(rng.integers(1, 80)), K)) * rng.uniform(0.01, 2)).astype(np.float32), fmt)
+          for _ in counts]
+    X = (rng.standard_normal((R, K)) * rng.uniform(0.05, 30, (R, 1))).astype(np.float32)
+    x_start = np.array([int(rng.integers(0, R - n + 1)) for n in counts], np.int64)
+    y_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) + 2  # rows 0-1, last 2: no span's
+    out_rows = sum(counts) + 4
+    batch = bf16.DenseBatch(ms)
+    Y = np.full((out_rows, batch.width), np.nan, np.float32)
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        bf16._dense_spans(bf16.dense_operand(X, fmt), x_start, np.array(counts, np.int64), y_start, batch.table,
+                          batch.like, Y)
+    finally:
+        numba.set_num_threads(before)
+    written = np.zeros(Y.shape, bool)
+    for m, w in enumerate(ms):
+        a, n, b = x_start[m], counts[m], y_start[m]
+        if n:
+            np.testing.assert_array_equal(Y[b:b + n, :w.shape[0]], w.matmul(X[a:a + n]))
+        written[b:b + n, :w.shape[0]] = True
+    assert np.isfinite(Y[written]).all() and np.isnan(Y[~written]).all()
+    Z = batch.spans(X, x_start, np.array(counts, np.int64), y_start, out_rows)
+    np.testing.assert_array_equal(Z[written], Y[written])
+    with pytest.raises(WasteError, match="one format and width"):
+        bf16.DenseBatch([*ms, quantize(np.ones((4, K), np.float32), "bf16" if fmt == "f32" else "f32")])

@@ -14,6 +14,7 @@ from conftest import assert_close
 from waste.errors import WasteError
 from waste.kernels.moe import (
     add_weighted,
+    gated_experts,
     gated_experts_one_token,
     gated_experts_sum_one_token,
     route,
@@ -188,6 +189,24 @@ def test_gated_experts_one_token_equal_one_by_one(fmt: str, n: int, I: int, D: i
     # Any subset in any order: each expert's row depends on that expert alone.
     order = rng.permutation(n)[: max(1, n // 2)]
     np.testing.assert_array_equal(gated_experts_one_token(x, [experts[i] for i in order], act), got[order])
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS[:3])
+@pytest.mark.parametrize("fmt", ["q8g", "q4g", "mxfp4", "f32", "bf16"])
+def test_gated_experts_on_their_rows_equal_one_by_one(fmt: str, act) -> None:
+    """A prefill's experts, each on its own run of rows (one row, several, more than a tile),
+    in three kernel calls: each expert's rows bit for bit its own MLP on those rows."""
+    rng = np.random.default_rng(61)
+    experts = _experts(rng, fmt, 5, 64, 96)
+    x = (4 * rng.standard_normal((40, 96))).astype(np.float32)
+    count = np.array([1, 7, 17, 3, 12], np.int64)
+    x_start = np.array([0, 5, 20, 30, 28], np.int64)
+    got = gated_experts(x, experts, x_start, count, act)
+    first = np.concatenate([[0], np.cumsum(count)[:-1]])
+    for e, expert in enumerate(experts):
+        rows = x[x_start[e]:x_start[e] + count[e]]
+        want = swiglu(rows, *expert) if act is None else situ_mlp(rows, *expert, *act)
+        np.testing.assert_array_equal(got[first[e]:first[e] + count[e]], want)
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)

@@ -261,16 +261,16 @@ class MoELayer:
         def run(batch: list[tuple[int, Expert]]) -> None:
             nonlocal added
             experts = [expert for _, expert in batch]
-            if not run_together(experts):
+            picked = np.array([i for i, _ in batch], np.int64)
+            n = count[picked]
+            first_row = np.zeros(len(batch), np.int64)  # of each expert's rows in the batch's
+            np.cumsum(n[:-1], out=first_row[1:])
+            rows = np.repeat(start[picked] - first_row, n) + np.arange(int(n.sum()))  # into `order`
+            out = gated_experts(z[tokens[rows]], experts, first_row, n, self.situ_params)
+            if out is None:  # experts that cannot run together: one by one
                 for i, expert in batch:
                     done[i] = self.mlp(z[tokens[start[i]:start[i] + count[i]]], *expert)
             else:
-                picked = np.array([i for i, _ in batch], np.int64)
-                n = count[picked]
-                first_row = np.zeros(len(batch), np.int64)  # of each expert's rows in the batch's
-                np.cumsum(n[:-1], out=first_row[1:])
-                rows = np.repeat(start[picked] - first_row, n) + np.arange(int(n.sum()))  # into `order`
-                out = gated_experts(z[tokens[rows]], experts, first_row, n, self.situ_params)
                 for j, (i, _) in enumerate(batch):
                     done[i] = out[first_row[j]:first_row[j] + n[j]]
             while added in done:

@@ -446,17 +446,44 @@ def dense_products(X: np.ndarray, matrices: Sequence[Any], rows: np.ndarray) -> 
     kernel call (`_dense_products`): bit for bit W_m.matvec(X[rows[m]]). A decode step's f32 or
     bf16 experts take two such calls instead of two parallel regions per product. rows [M]
     int64 in [0, R) (unchecked)."""
-    fmt, k = matrices[0].fmt, matrices[0].shape[1]
-    X = np.ascontiguousarray(X, np.float32)
-    if fmt not in DENSE_FORMATS or any(m.fmt != fmt or m.shape[1] != k for m in matrices) or X.shape[1:] != (k,):
-        raise WasteError(f"dense_products multiplies f32 or bf16 matrices of one format and width by [R, K] inputs, "
-                         f"got {sorted({(m.fmt, m.shape) for m in matrices})} and {X.shape}")
-    table = dense_table(matrices)
-    xs = dense_operand(X, fmt)
-    like = matrices[0].buffers["w"][:0]
-    Y = np.empty((len(matrices), 1, int(table[:, 1].max())), np.float32)
-    _dense_products(xs, rows, table, like, Y)
-    return Y[:, 0]
+    return DenseBatch(matrices)(X, rows)
+
+
+class DenseBatch:
+    """Several f32 or bf16 matrices of one format and width, multiplied in one kernel call: on
+    one row of X each (`__call__`, as `dense_products`) or on a run of rows each (`spans`), as
+    `waste.kernels.quant.QBatch` does for q formats."""
+
+    def __init__(self, matrices: Sequence[Any]):
+        fmt, k = matrices[0].fmt, matrices[0].shape[1]
+        if fmt not in DENSE_FORMATS or any(m.fmt != fmt or m.shape[1] != k for m in matrices):
+            raise WasteError(f"dense products multiply f32 or bf16 matrices of one format and width, "
+                             f"got {sorted({(m.fmt, m.shape) for m in matrices})}")
+        self.fmt, self.k = fmt, k
+        self.table = dense_table(matrices)
+        self.width = int(self.table[:, 1].max())
+        self.like = matrices[0].buffers["w"][:0]
+
+    def _operand(self, X: np.ndarray) -> np.ndarray:
+        X = np.ascontiguousarray(X, np.float32)
+        if X.ndim != 2 or X.shape[1] != self.k:
+            raise WasteError(f"dense products of width {self.k} take [R, {self.k}] inputs, got {X.shape}")
+        return dense_operand(X, self.fmt)
+
+    def __call__(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """[M, width]: matrix m on X[rows[m]]; rows [M] int64 in [0, R) (unchecked)."""
+        Y = np.empty((len(self.table), 1, self.width), np.float32)
+        _dense_products(self._operand(X), rows, self.table, self.like, Y)
+        return Y[:, 0]
+
+    def spans(self, X: np.ndarray, x_start: np.ndarray, count: np.ndarray, y_start: np.ndarray,
+              out_rows: int) -> np.ndarray:
+        """Y [out_rows, width] with Y[y_start[m] + j, :N_m] = W_m X[x_start[m] + j] for j <
+        count[m], each span's rows bit for bit W_m.matmul(X[x_start[m]:x_start[m] + count[m]]);
+        x_start, count, y_start [M] int64, every span inside X and Y (unchecked)."""
+        Y = np.empty((out_rows, self.width), np.float32)
+        _dense_spans(self._operand(X), x_start, count, y_start, self.table, self.like, Y)
+        return Y
 
 
 def dense_table(matrices: Sequence[Any]) -> np.ndarray:
@@ -485,6 +512,32 @@ def _dense_products(xs, rows, table, like, Y):
             i += 1
     for i in prange(items):
         _dense_rows(xs, rows, table, like, Y, item_matrix[i], item_row[i])
+
+
+@parallel_kernel
+def _dense_spans(xs, x_start, count, y_start, table, like, Y):
+    """Y[y_start[m] + j, :N_m] = xs[x_start[m] + j] W_m^T for j < count[m], for M matrices
+    of one dense format read by address (table [M, 2], `dense_table`): every matrix's blocks of
+    rows (as f32_matmul and bf16_matmul make them for a chunk) in one parallel region."""
+    M = table.shape[0]
+    rows = max(1, CHUNK_BLOCK_BYTES // (like.shape[1] * like.itemsize) // ROW_TILE) * ROW_TILE
+    items = 0
+    for m in range(M):
+        items += (table[m, 1] + rows - 1) // rows
+    item_matrix = np.empty(items, np.int64)
+    item_row = np.empty(items, np.int64)
+    i = 0
+    for m in range(M):
+        for n0 in range(0, table[m, 1], rows):
+            item_matrix[i] = m
+            item_row[i] = n0
+            i += 1
+    for i in prange(items):
+        m, n0 = item_matrix[i], item_row[i]
+        N = table[m, 1]
+        w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
+        a, y0, c = x_start[m], y_start[m], count[m]
+        _row_block(w, xs[a:a + c], Y[y0:y0 + c], n0, min(N, n0 + rows))
 
 
 @kernel

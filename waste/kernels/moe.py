@@ -33,6 +33,7 @@ from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels.bf16 import (
     DENSE_FORMATS,
+    DenseBatch,
     _dense_products,
     _operand_into,
     dense_operand,
@@ -590,19 +591,24 @@ def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatr
     Three kernel calls whatever the number of experts (a decode step's experts on its one token,
     or a prefill's on the tokens routed to each): every expert's gate and up products in one
     parallel region (quant `_q_products` when every expert has one row, else `_q_spans`; each
-    row of x quantised once), the activations, every down product in one more region. None
-    when the experts are not q matrices of one shape and at most two formats per projection
-    (`run_together`; the caller runs them one by one).
+    row of x quantised once; f32 or bf16 experts through bf16's `DenseBatch` alike), the
+    activations, every down product in one more region. None when the experts are neither q
+    matrices of one shape and at most two formats per projection (`run_together`) nor float
+    matrices of one format and shape (`dense_together`): the caller runs them one by one.
     x_start, count [E] int64, the runs inside x (the caller's promise: unchecked).
     """
-    if not run_together(experts):
+    if run_together(experts):
+        batch: type[QBatch] | type[DenseBatch] = QBatch
+    elif dense_together(experts):
+        batch = DenseBatch
+    else:
         return None
     n = len(experts)
     (inner, width), out = experts[0][0].shape, experts[0][2].shape[0]
     x = np.ascontiguousarray(x, np.float32)
     if x.ndim != 2 or x.shape[1] != width or experts[0][2].shape[1] != inner:
         raise WasteError(f"experts [{inner}, {width}] -> [{out}, {experts[0][2].shape[1]}] cannot take x {x.shape}")
-    gates_ups, downs = QBatch([m for e in experts for m in e[:2]]), QBatch([e[2] for e in experts])
+    gates_ups, downs = batch([m for e in experts for m in e[:2]]), batch([e[2] for e in experts])
     one_row_each = bool((count == 1).all())  # a decode step's: the one-row driver, measured faster
     if one_row_each:
         gate_up = gates_ups(x, np.repeat(x_start, 2)).reshape(n, 2, -1)
