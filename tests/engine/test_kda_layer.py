@@ -188,14 +188,32 @@ def test_batched_decode_products_equal_one_by_one(fmts: tuple[str, ...], full_ra
         batched.decode(np.ones(cfg.hidden_size + 1, np.float32), s1)
 
 
-def test_f32_layer_decodes_through_dense_products() -> None:
-    """An f32 layer's decode products take the two dense_products calls, not QBatch (its bits:
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_dense_layer_decodes_in_one_call(fmt: str) -> None:
+    """An f32 or bf16 layer's decode step is one call (kda_decode_step_dense), not QBatch's; with
+    it turned off, the call-by-call step (two dense_products calls) gives the same bits, in the
+    output and the state, token after token (the bits of both against the public kernels:
     test_decode_equals_the_public_kernels_composed)."""
     cfg = load_preset("tiny")
-    layer = _layer(cfg, _weights(cfg, np.random.default_rng(3)))
-    assert layer._decode_batches is None and layer._step_args is None
-    first, second = layer._dense_decode
-    assert [m.fmt for m in first + second] == ["f32"] * 8
+    rng = np.random.default_rng(3)
+    w = _weights(cfg, rng)
+
+    def layer() -> KDALayer:
+        return KDALayer.from_weights(cfg, lambda n: quantize(w[n[len(PREFIX):]], fmt), lambda n: w[n[len(PREFIX):]],
+                                     PREFIX)
+
+    one_call, by_call = layer(), layer()
+    assert one_call._decode_batches is None and one_call._step_args is None
+    assert one_call._dense_step_args is not None
+    first, second = one_call._dense_decode
+    assert [m.fmt for m in first + second] == [fmt] * 8
+    by_call._dense_step_args = None
+    s1, s2 = one_call.new_state(), by_call.new_state()
+    for _ in range(3):
+        x = (3 * rng.standard_normal(cfg.hidden_size)).astype(np.float32)
+        np.testing.assert_array_equal(one_call.decode(x, s1), by_call.decode(x, s2))
+        for field in ("base", "conv", "pending_k", "pending_d"):
+            np.testing.assert_array_equal(getattr(s1, field), getattr(s2, field))
 
 
 def _decode_through_wrappers(layer: KDALayer, x: np.ndarray, state: KDAState) -> np.ndarray:

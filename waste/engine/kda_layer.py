@@ -21,7 +21,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
-from waste.kernels.bf16 import DENSE_FORMATS, dense_products
+from waste.kernels.bf16 import DENSE_FORMATS, dense_operand, dense_products, dense_table, operand_buffer, operand_mode
 from waste.kernels.kda import (
     _gate_kernel,
     _gated_rmsnorm_kernel,
@@ -32,7 +32,7 @@ from waste.kernels.kda import (
 )
 from waste.kernels.kda_chunk import prefill_kda
 from waste.kernels.kda_decode import _deferred_decode_kernel, apply_pending, kda_scale, new_state
-from waste.kernels.kda_step import kda_decode_step, sigmoid_into
+from waste.kernels.kda_step import kda_decode_step, kda_decode_step_dense, sigmoid_into
 from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, batchable, matmul_pair
 from waste.kernels.short_conv import _conv_step_kernel, conv_taps, short_conv_silu
 
@@ -131,9 +131,20 @@ class KDALayer:
         self._scale = kda_scale(None, self.K)
         self._x_rows = np.zeros(len(first), np.int64)  # [6]: every product of the first call reads x
         self._mid_rows = np.arange(len(second), dtype=np.int64)  # f_b reads f, g_b the gate's low rank
-        # With every product in a q format the whole step is one call (waste.kernels.kda_step):
-        # its arguments that do not change from token to token.
+        # With every product in a q format, or every weight f32 or every one bf16, the whole step
+        # is one call (waste.kernels.kda_step): its arguments that do not change from token to token.
         self._step_args: tuple[Any, ...] | None = None
+        self._dense_step_args: tuple[Any, ...] | None = None
+        if self._dense_decode is not None and o_proj.fmt == first[0].fmt:
+            fmt = o_proj.fmt
+            self._dense_step_args = (
+                (self._x_rows, dense_table(first), first[0].buffers["w"][:0], self._mid_rows, dense_table(second),
+                 second[0].buffers["w"][:0], operand_mode(fmt), operand_buffer(fmt, len(second), self.K),
+                 len(gate) == 2, self.taps3),
+                (self._gate_a, self._gate_bias, 0.0 if self.lower_bound is None else float(self.lower_bound),
+                 self._scale, True),
+                (self.o_norm, self.eps, o_proj.buffers["w"]),
+            )
         if self._decode_batches is not None and o_proj.fmt in Q_FORMATS:
             a, b = self._decode_batches
             qs, scales, tscale, _, no_qs, no_scales = o_proj._qargs  # type: ignore[attr-defined]
@@ -270,6 +281,17 @@ class KDALayer:
                             *output, y, g, beta)
             state.has_pending = True
             return y[0, :self.o_proj.shape[0]], g, beta
+        if self._dense_step_args is not None:
+            products, gates, (o_norm, eps, o_w) = self._dense_step_args
+            fmt = self.o_proj.fmt
+            y = np.empty((1, self.o_proj.shape[0]), np.float32)
+            g = np.empty((H, K), np.float32)
+            beta = np.empty(H, np.float32)
+            kda_decode_step_dense(dense_operand(x[None, :], fmt), *products, state.conv, *gates, state.base,
+                                  state.pending_k, state.pending_d, o_norm, eps, o_w, operand_buffer(fmt, 1, H * K),
+                                  y, g, beta)
+            state.has_pending = True
+            return y[0], g, beta
         qkv, fb, gate, b = self._decode_products(x)
         qkv = np.ascontiguousarray(qkv)
         conv = np.empty_like(qkv)  # [3, H*K]

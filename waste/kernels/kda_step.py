@@ -1,4 +1,4 @@
-"""One KDA decode step in one kernel call, for a layer whose products are q formats.
+"""One KDA decode step in one kernel call.
 
 A decode step of a KDA layer makes eight kernel calls (its input products in two batches, the
 q/k/v convs, the decay gate, the recurrence, the gated RMSNorm, the output product) with NumPy
@@ -6,7 +6,9 @@ between them; on `mini` the Python around them cost about as much as the kernels
 layer against ~120 of reading its weights and state, on the 2-core EPYC). `kda_decode_step`
 makes the same calls, in the same order on arrays of the same types, inside one compiled
 function: the bits of the step made call by call (`waste.engine.kda_layer.KDALayer`, which
-keeps the call-by-call form for f32 and bf16 trunks and tests the two against each other).
+keeps the call-by-call form for mixed trunks; the tests compare the two). `kda_decode_step`
+takes a layer whose products are q formats, `kda_decode_step_dense` one whose weights are all
+f32 or all bf16.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from waste.jit import kernel, parallel_kernel
+from waste.kernels.bf16 import _dense_products, _operand_into, _run_blocks
 from waste.kernels.fastmath import fsigmoid
 from waste.kernels.kda import _gate_kernel, _gated_rmsnorm_kernel
 from waste.kernels.kda_decode import _deferred_decode_kernel
@@ -44,16 +47,57 @@ def kda_decode_step(x, first_rows, first_table, first_tscales, first_format, fir
     l2norm_qk arrives as an argument (True): passed as a literal here, it compiled the
     recurrence specialised, which then rounded an ulp away from the call-by-call step."""
     H, K = g.shape
-    HK = H * K
     products = np.empty((first_table.shape[0], 1, ROWS * first_table[:, 2].max()), np.float32)
     _q_products(x, first_rows, first_table, first_tscales, first_format, first_qs, first_scales, first_qs_b,
                 first_scales_b, products)
-    n_mid = mid_table.shape[0]
-    low = np.empty((n_mid, K), np.float32)  # f_a x, and the gate's low rank
+    low = _low_rank(products, mid_table.shape[0], K)
+    mid = np.empty((mid_table.shape[0], 1, ROWS * mid_table[:, 2].max()), np.float32)
+    _q_products(low, mid_rows, mid_table, mid_tscales, mid_format, mid_qs, mid_scales, mid_qs_b, mid_scales_b, mid)
+    normed = np.empty((H, K), np.float32)
+    _after_products(products, mid, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk,
+                    base, pending_k, pending_d, o_norm, eps, g, beta, normed)
+    _q_product(normed.reshape((1, H * K)), o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, o_tscale, y, y)
+
+
+@parallel_kernel
+def kda_decode_step_dense(xs, first_rows, first_table, first_like, mid_rows, mid_table, mid_like, operand_mode,
+                          low_operand, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk,
+                          base, pending_k, pending_d, o_norm, eps, o_w, o_operand, y, g, beta):
+    """kda_decode_step for a layer whose weights are all f32 or all bf16: the products through
+    bf16's `_dense_products` (first_* and mid_* as `dense_table` and the weights' dtype give
+    them; xs is x as the tiles read it, `dense_operand`) and the output product through
+    `_run_blocks` on o_w [hidden, H*K]; operand_mode (`operand_mode`) turns the rank-K inputs
+    and the normed output into the tiles' form, in the buffers low_operand [1-2, *] and
+    o_operand [1, *]. y [1, hidden]. The bits of the call-by-call step."""
+    H, K = g.shape
+    products = np.empty((first_table.shape[0], 1, first_table[:, 1].max()), np.float32)
+    _dense_products(xs, first_rows, first_table, first_like, products)
+    _operand_into(_low_rank(products, mid_table.shape[0], K), low_operand, operand_mode)
+    mid = np.empty((mid_table.shape[0], 1, mid_table[:, 1].max()), np.float32)
+    _dense_products(low_operand, mid_rows, mid_table, mid_like, mid)
+    normed = np.empty((H, K), np.float32)
+    _after_products(products, mid, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk,
+                    base, pending_k, pending_d, o_norm, eps, g, beta, normed)
+    _operand_into(normed.reshape((1, H * K)), o_operand, operand_mode)
+    _run_blocks(o_w, o_operand, y)
+
+
+@kernel
+def _low_rank(products, n_mid, K):
+    """[n_mid, K]: f_a x, and the gate's low rank (rows 3 and 4 of the first products)."""
+    low = np.empty((n_mid, K), np.float32)
     for r in range(n_mid):
         low[r] = products[3 + r, 0, :K]
-    mid = np.empty((n_mid, 1, ROWS * mid_table[:, 2].max()), np.float32)
-    _q_products(low, mid_rows, mid_table, mid_tscales, mid_format, mid_qs, mid_scales, mid_qs_b, mid_scales_b, mid)
+    return low
+
+
+@kernel
+def _after_products(products, mid, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk,
+                    base, pending_k, pending_d, o_norm, eps, g, beta, normed):
+    """What a decode step does between its input products and its output product: the q/k/v
+    convs, the decay gate, beta, the recurrence and the gated RMSNorm -> normed [H, K]."""
+    H, K = g.shape
+    HK = H * K
     qkv = np.empty((3, HK), np.float32)
     for r in range(3):
         qkv[r] = products[r, 0, :HK]
@@ -73,6 +117,4 @@ def kda_decode_step(x, first_rows, first_table, first_tscales, first_format, fir
         gate[:, :] = mid[1, 0, :HK].reshape((H, K))
     else:
         gate[:, :] = products[4, 0, :HK].reshape((H, K))
-    normed = np.empty((H, K), np.float32)
     _gated_rmsnorm_kernel(o, gate, o_norm, eps, normed)
-    _q_product(normed.reshape((1, HK)), o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, o_tscale, y, y)
