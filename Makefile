@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Numba's compiled-kernel cache lives inside the clone, so a fresh clone starts empty
-# and a stale cache from another checkout can never be picked up.
+# Numba's compiled-kernel cache lives inside the clone, so a fresh clone starts empty and a
+# stale cache from another checkout can never be picked up; within it, waste/jit.py keeps one
+# directory per version of the sources, so an update cannot be served stale kernels either.
 export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 DEMO_DIR ?= .demo
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_info
@@ -49,3 +51,50 @@ def test_bad_blas_threads_is_a_one_line_cli_error() -> None:
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip() == "waste: error: WASTE_BLAS_THREADS='0': expected a positive number of threads"
+
+
+def test_kernels_cache_below_a_directory_named_by_the_sources() -> None:
+    @jit.kernel
+    def triple(x):
+        return 3 * x
+
+    assert triple(2) == 6
+    assert jit.CACHE_DIR.name == f"waste-{jit.source_digest()}"
+    assert Path(triple._cache._cache_path).is_relative_to(jit.CACHE_DIR)
+
+
+def test_an_edited_callee_in_another_file_is_not_served_stale(tmp_path) -> None:  # noqa: ANN001
+    """Numba alone checks a cached caller against its own file only, and kept running the old
+    code of a callee in an edited file (10 after the callee changed to return 2)."""
+    package = tmp_path / "copy" / "waste"
+    shutil.copytree(jit.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "probe_callee.py").write_text("from waste.jit import kernel\n\n@kernel\ndef one():\n    return 1\n")
+    (package / "probe_caller.py").write_text(
+        "from waste.jit import kernel\nfrom waste.probe_callee import one\n\n"
+        "@kernel\ndef ten_times():\n    return 10 * one()\n")
+    env = {**os.environ, "PYTHONPATH": str(package.parent), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    code = "from waste.probe_caller import ten_times; from waste.probe_callee import one; print(ten_times(), one())"
+
+    def run() -> str:
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    assert run() == "10 1"
+    assert run() == "10 1"  # from the cache
+    callee = package / "probe_callee.py"
+    callee.write_text(callee.read_text().replace("return 1", "return 2"))
+    assert run() == "20 2"
+    assert len(list((tmp_path / "cache").glob("waste-*"))) == 2
+
+
+def test_old_cache_directories_are_pruned(tmp_path) -> None:  # noqa: ANN001
+    for age in range(6):
+        old = tmp_path / f"waste-old{age}"
+        old.mkdir()
+        os.utime(old, (1e9 - age, 1e9 - age))
+    (tmp_path / "other").mkdir()
+    jit._prepare_cache(tmp_path / "waste-now")
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == sorted(["other", "waste-now", *[f"waste-old{age}" for age in range(jit.KEPT_SOURCE_VERSIONS)]])

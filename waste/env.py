@@ -4,6 +4,7 @@ the CLI can refuse a bad value before any work starts (kernels apply them when i
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from waste.errors import WasteError
 
@@ -17,3 +18,9 @@ def blas_threads() -> int:
     if not value.isdigit() or int(value) < 1:
         raise WasteError(f"{BLAS_THREADS_ENV}={value!r}: expected a positive number of threads")
     return int(value)
+
+
+def user_cache_home() -> Path:
+    """waste's directory under $XDG_CACHE_HOME (default ~/.cache): machine figures, notebooks'
+    models and, unless NUMBA_CACHE_DIR says otherwise, compiled kernels live below it."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "waste"

@@ -2,20 +2,24 @@
 
 Every kernel in waste is compiled through `kernel` (serial leaf kernels) or
 `parallel_kernel` (outer drivers that use `prange`), so caching, fast-math and the
-error model are decided here once. `cache=True` keeps compiled code on disk next to
-the module (`__pycache__`), so tests and notebooks do not recompile on every run;
-a fresh clone simply compiles once.
+error model are decided here once. `cache=True` keeps compiled code on disk
+(`kernel_cache_dir`), so tests and notebooks do not recompile on every run; a fresh
+clone simply compiles once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numba
 from threadpoolctl import threadpool_limits
 
-from waste.env import blas_threads
+from waste.env import blas_threads, user_cache_home
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,12 +46,60 @@ prange = numba.prange
 threadpool_limits(blas_threads(), user_api="blas")
 
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Cache directories of other source versions kept beside the current one (older ones are removed).
+KEPT_SOURCE_VERSIONS = 3
+
+
+def source_digest(package_dir: Path = PACKAGE_DIR) -> str:
+    """A digest of every Python source of the package (paths and bytes)."""
+    digest = hashlib.sha256()
+    for path in sorted(package_dir.rglob("*.py")):
+        for part in (path.relative_to(package_dir).as_posix().encode(), path.read_bytes()):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+    return digest.hexdigest()[:20]
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels are cached: $NUMBA_CACHE_DIR (else waste's user cache) / numba,
+    one directory per version of waste's sources.
+
+    Numba checks a cached function against its own file's timestamp only, so a caller whose
+    file did not change kept the machine code it had inlined from a callee in a file that did
+    (after an update, a caller ran the old callee: a stale kernel and silently other bits).
+    Keying the directory on every source's bytes makes any change compile afresh."""
+    base = Path(os.environ.get("NUMBA_CACHE_DIR") or user_cache_home() / "numba")
+    return base / f"waste-{source_digest()}"
+
+
+def _prepare_cache(current: Path) -> None:
+    """Create `current`, mark it the most recently used, and remove the cache directories of all
+    but the KEPT_SOURCE_VERSIONS most recently used other source versions. Where it cannot be
+    written, Numba caches elsewhere (next to the sources or in its own user directory)."""
+    try:
+        current.mkdir(parents=True, exist_ok=True)
+        os.utime(current)
+    except OSError:
+        return
+    others = sorted((d for d in current.parent.glob("waste-*") if d.is_dir() and d != current),
+                    key=lambda d: d.stat().st_mtime, reverse=True)
+    for old in others[KEPT_SOURCE_VERSIONS:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+CACHE_DIR = kernel_cache_dir()
+_prepare_cache(CACHE_DIR)
+
+
 def kernel(fn: F | None = None, **overrides: Any) -> Any:
     """Compile a serial kernel: `@kernel` or `@kernel(signature=...)`."""
     options = {**COMMON_OPTIONS, **overrides}
     signature = options.pop("signature", None)
 
     def wrap(f: F) -> F:
+        # Numba picks a function's cache directory when it is decorated, from its config.
+        numba.config.CACHE_DIR = str(CACHE_DIR)
         if signature is None:
             return numba.njit(**options)(f)
         return numba.njit(signature, **options)(f)

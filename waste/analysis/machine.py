@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from waste.env import user_cache_home
 from waste.errors import WasteError
 from waste.fileio import write_atomic
 
@@ -63,7 +64,7 @@ class Bandwidths:
 def cache_path() -> Path:
     base = os.environ.get("WASTE_CACHE_DIR")
     if not base:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "waste"
+        base = user_cache_home()
     return Path(base) / CACHE_FILE
 
 

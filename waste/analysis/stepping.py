@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from waste.env import user_cache_home
 from waste.errors import WasteError
 
 WORKDIR_ENV = "WASTE_NOTEBOOK_WORKDIR"
@@ -39,8 +40,7 @@ def notebook_workdir() -> Path:
     """Where notebooks write what they build, reused across runs: $WASTE_NOTEBOOK_WORKDIR, else
     waste/notebooks under $XDG_CACHE_HOME (~/.cache)."""
     env = os.environ.get(WORKDIR_ENV)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    path = Path(env) if env else cache / "waste" / "notebooks"
+    path = Path(env) if env else user_cache_home() / "notebooks"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
