@@ -443,9 +443,8 @@ def f32_matmul(w: np.ndarray, X: np.ndarray) -> np.ndarray:
 def dense_products(X: np.ndarray, matrices: Sequence[Any], rows: np.ndarray) -> np.ndarray:
     """Y [M, Nmax] with Y[m, :N_m] = W_m X[rows[m]], for X [R, K] float32 and M QMatrix W_m
     [N_m, K] all f32 or all bf16 (waste.kernels.quant, which imports this module), in one
-    kernel call (`_dense_products`): bit for bit W_m.matvec(X[rows[m]]). A decode step's f32 or
-    bf16 experts take two such calls instead of two parallel regions per product. rows [M]
-    int64 in [0, R) (unchecked)."""
+    kernel call (`_dense_products`): bit for bit W_m.matvec(X[rows[m]]), where calling each
+    would take a parallel region per product. rows [M] int64 in [0, R) (unchecked)."""
     return DenseBatch(matrices)(X, rows)
 
 
