@@ -1,5 +1,6 @@
 """The engine against the float64 oracle on tiny containers, prefill/decode consistency, bad input."""
 
+import numba
 import numpy as np
 import pytest
 
@@ -184,8 +185,6 @@ def test_clear_margin_scales_with_the_tolerance():
 def test_logits_do_not_depend_on_the_thread_count(tmp_path, quant):
     """Prefill and decode give the same bits on 1 and 2 Numba threads: no kernel splits a sum by
     the thread count (MLA decode once did, and decoded logits differed by about 3e-6)."""
-    import numba
-
     path = tiny_container(tmp_path / quant, quant=quant)
     runs = []
     before = numba.get_num_threads()
@@ -206,14 +205,30 @@ def test_logits_do_not_depend_on_the_thread_count(tmp_path, quant):
 
 @pytest.mark.parametrize(("preset", "quant"), [("tiny", "q4"), ("tiny", "q8"), ("tiny", "f32"), ("tiny", "bf16"),
                                              ("k3-tiny", "q8")])
-def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, preset, quant):
+def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, monkeypatch, preset, quant):
     """A memory-mapped store's decode gathers a layer's experts from its ExpertTables; a store
     that does not say it maps every expert takes the path through `fetch`. Logits bit for bit
-    and the store's counters the same, step after step (the tables fill as experts first show)."""
+    and the store's counters the same, step after step (the tables fill as experts first show).
+    Both paths hand the one-token kernel arguments of the same types, so it compiles once: a
+    read-only table on one path once cost a second compilation (5-7 s) in the middle of a decode."""
     from waste.engine.expert_store import MmapExpertStore
+    from waste.kernels import moe
 
     class Unmapped(MmapExpertStore):
         maps_every_expert = False
+
+    argument_types: dict[str, set[tuple]] = {}
+
+    def recording(name: str):  # noqa: ANN202 - the kernel's stand-in
+        kernel = getattr(moe, name)
+
+        def record(*args):  # noqa: ANN002, ANN202
+            argument_types.setdefault(name, set()).add(tuple(numba.typeof(a) for a in args))
+            return kernel(*args)
+        return record
+
+    for kernel_name in ("_gated_one_token", "_dense_gated_one_token"):
+        monkeypatch.setattr(moe, kernel_name, recording(kernel_name))
 
     path = tiny_container(tmp_path_factory.mktemp("tables"), preset=preset, quant=quant)
     with open_container(path) as c:
@@ -229,3 +244,4 @@ def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, pr
     assert all(t is not None and t.usable and t.known.sum() > 1 for t in runs["tables"][2])  # rows were used
     np.testing.assert_array_equal(runs["tables"][0], runs["fetch"][0])
     assert runs["tables"][1] == runs["fetch"][1]
+    assert len(argument_types) == 1 and all(len(types) == 1 for types in argument_types.values()), argument_types
