@@ -294,8 +294,8 @@ def main() -> int:
               f"{r['waste_decode']['best']:.1f} / {r['llama_decode']['best']:.1f}"] for label, r in rows.items()]
     print(f"\nwaste / llama.cpp (best / median of {args.rounds} interleaved rounds), {args.prompt_len}-token prompt, "
           f"{args.new} decoded (llama.cpp at depth {args.prompt_len}); load average after {load_after}")
-    print(common.format_table(["format", f"prefill (chunk {DEFAULT_PREFILL_CHUNK})",
-                               f"prefill (chunk {args.prompt_len})", "decode", "prefill tok/s w / l",
+    print(common.format_table(["format", f"prefill (default chunk {DEFAULT_PREFILL_CHUNK})",
+                               f"prefill (one chunk of {args.prompt_len})", "decode", "prefill tok/s w / l",
                                "decode tok/s w / l"], table))
     print(f"q4 decode reads {sum(q4_bytes.values()) / 1e6:.1f} MB of weights a token: {100 * q4_fraction:.0f}% "
           f"of the copy bandwidth")
