@@ -236,8 +236,8 @@ class _StepObserver:
     """
 
     def __init__(self, model: Any, session: Any, first_hidden: np.ndarray):
-        from waste.kernels.moe import router_logits
         from waste.kernels.norm import rms_norm
+        from waste.kernels.routing import router_logits
 
         self.model, self.session, self._rms_norm, self._router_logits = model, session, rms_norm, router_logits
         self._mixed = getattr(model.config, "attn_res_block_size", None) is not None

@@ -38,20 +38,17 @@ from waste.config import ModelConfig
 from waste.engine.expert_cache import Expert
 from waste.errors import WasteError
 from waste.kernels.moe import (
-    ROUTER_WEIGHTS,
     ExpertTables,
     add_weighted,
-    check_routing,
     gated_experts,
     gated_experts_one_token,
     gated_experts_sum_one_token,
-    route_checked,
-    router_logits,
     run_together,
     situ_mlp,
     swiglu,
 )
 from waste.kernels.quant import QMatrix
+from waste.kernels.routing import ROUTER_WEIGHTS, check_routing, route_checked, router_logits
 
 GetMatrix = Callable[[str], QMatrix]
 GetTensor = Callable[[str], np.ndarray]
