@@ -9,7 +9,9 @@ Each store then runs in its own child process (a fresh RSS peak, nothing shared)
   the experts never sit in the page cache as well;
 - `mmap`: the container's memory map; the kernel's page cache is the expert cache;
 - `streaming-unguessed`, `mmap-unguessed`: the same without the decode's guesses of the next
-  MoE layers' experts (`waste.engine.model`), `mmap-unguessed` being the plain memory map.
+  MoE layers' experts (`waste.engine.model`), `mmap-unguessed` being the plain memory map;
+- `streaming-page-cache`: the streaming cache with `--expert-io page-cache`: blobs read into
+  the page cache and used as views of the map (`waste.engine.expert_io` for the trade-off).
 
 Same RAM for both: the machine's own. The q4 experts (26 GB) exceed this machine's RAM, so the
 page cache can hold only part of them, and the streaming cache is sized from the same
@@ -58,6 +60,7 @@ import numpy as np
 from waste.analysis.budget import copy_bandwidth, decode_speed_bound, predict_run
 from waste.analysis.machine import Bandwidth, Bandwidths, measure_memory
 from waste.container import open_container
+from waste.engine.expert_io import DEFAULT_IO
 from waste.engine.experts import MmapExpertStore, StreamingExpertStore
 from waste.engine.memory import measure_runtime, peak_rss, plan_run_memory
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS
@@ -65,8 +68,13 @@ from waste.plan import make_plan
 from waste.synth_container import synthesize_container
 from waste.units import parse_size
 
-# Each store with the decode's guesses (as `waste run` does) and without them ("-unguessed").
-STORES = ("streaming", "mmap", "streaming-unguessed", "mmap-unguessed")
+# Each store with the decode's guesses (as `waste run` does) and without them ("-unguessed"); the
+# streaming store reads with `waste run`'s default io, "-page-cache" into the page cache.
+STORES = ("streaming", "mmap", "streaming-unguessed", "mmap-unguessed", "streaming-page-cache")
+
+
+def store_io(store: str) -> str:
+    return "page-cache" if store.endswith("-page-cache") else DEFAULT_IO
 
 
 def is_streaming(store: str) -> bool:
@@ -103,7 +111,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         memory = plan_run_memory(c, context, chunk=args.prefill_chunk, pass_tokens=PREFILL_PASS_TOKENS,
                                  runtime=runtime, decode_tokens=args.new, available=available)
         if is_streaming(args.child):
-            store: Any = StreamingExpertStore(c, memory.cache_budget, "lru", args.read_threads, direct_io=True)
+            store: Any = StreamingExpertStore(c, memory.cache_budget, "lru", args.read_threads, store_io(args.child))
         else:
             store = MmapExpertStore(c, advise_guesses=True)
         model.store = store
@@ -124,7 +132,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             token = int(np.argmax(model.decode(session, token)))
             step_s.append(time.perf_counter() - t0)
-        total = store.stats.total
+        total, cpu2 = store.stats.total, resource.getrusage(resource.RUSAGE_SELF)
         peak_after_decode, layer_seconds = peak_rss(), dict(model.times.seconds)
         warm_prefill: dict[str, Any] = {}
         if args.warm_prompt_len:
@@ -155,6 +163,10 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             # CPU seconds of all the process's threads during the cold prefill: user (kernels, checks)
             # and system (page faults populating fresh buffers or page cache, reads)
             "prefill_cpu_user_s": cpu1.ru_utime - cpu0.ru_utime, "prefill_cpu_sys_s": cpu1.ru_stime - cpu0.ru_stime,
+            # page faults: minor (the page was in memory, or new), major (read from the disk)
+            "prefill_faults": {"minor": cpu1.ru_minflt - cpu0.ru_minflt, "major": cpu1.ru_majflt - cpu0.ru_majflt},
+            "decode_cpu_user_s": cpu2.ru_utime - cpu1.ru_utime, "decode_cpu_sys_s": cpu2.ru_stime - cpu1.ru_stime,
+            "decode_faults": {"minor": cpu2.ru_minflt - cpu1.ru_minflt, "major": cpu2.ru_majflt - cpu1.ru_majflt},
             "prefill_expert_bytes_vs_model": prefill["bytes_read"] / c.byte_counts()["expert_bytes"],
             "decode_step_s": step_s, "decode_tps_all": len(step_s) / sum(step_s),
             "decode_tps_steady": len(steady) / sum(steady),
@@ -272,7 +284,10 @@ def main() -> int:
                               rows))
     for r in results:
         print(f"{r['store']}: the cold prefill took {r['prefill_s']:.1f} s and {r['prefill_cpu_user_s']:.1f} s user, "
-              f"{r['prefill_cpu_sys_s']:.1f} s system CPU")
+              f"{r['prefill_cpu_sys_s']:.1f} s system CPU, {r['prefill_faults']['minor']} minor and "
+              f"{r['prefill_faults']['major']} major page faults; the decode {sum(r['decode_step_s']):.1f} s and "
+              f"{r['decode_cpu_user_s']:.1f} s user, {r['decode_cpu_sys_s']:.1f} s system CPU, "
+              f"{r['decode_faults']['minor']} minor and {r['decode_faults']['major']} major page faults")
     decode = {r["store"]: r["decode_tps_steady"] for r in results}
     for a, b in (("streaming", "mmap"), ("streaming", "mmap-unguessed"), ("streaming-unguessed", "mmap-unguessed")):
         if a in decode and b in decode:

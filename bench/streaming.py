@@ -82,7 +82,7 @@ def run_budget(container: Any, fraction: float, prompt: np.ndarray, args: argpar
     container.check_expert = timed_check
     try:
         with StreamingExpertStore(container, budget, args.policy, args.read_threads,
-                                  direct_io=not args.buffered) as store:
+                                  io="buffered" if args.buffered else "direct") as store:
             model = Model(container, store=store)
             session = model.new_session(len(prompt) + args.new)
             t0 = time.perf_counter()
@@ -195,7 +195,8 @@ def main() -> int:
         counts = c.byte_counts()
         prompt = rng.integers(0, c.config.vocab_size, args.prompt_len)
         # Compile every kernel on the streamed path before anything is timed.
-        with StreamingExpertStore(c, 0, args.policy, args.read_threads, direct_io=not args.buffered) as store:
+        with StreamingExpertStore(c, 0, args.policy, args.read_threads,
+                                  io="buffered" if args.buffered else "direct") as store:
             model = Model(c, store=store)
             session = model.new_session(16)
             model.prefill(session, prompt[:8], chunk=args.prefill_chunk)

@@ -16,6 +16,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from waste.engine.expert_io import DEFAULT_IO, IO_MODES
 from waste.env import blas_threads
 from waste.errors import CheckFailed, WasteError
 from waste.qformat import EXPERT_CHOICES, SCHEMES
@@ -166,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the room the planner leaves")
     s.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
     s.add_argument("--read-threads", type=_int(1, 256), default=4)
-    s.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT where possible")
+    s.add_argument("--expert-io", choices=IO_MODES, default=DEFAULT_IO,
+                   help="how the streaming store reads experts: into the page cache (views of the map), with "
+                        f"O_DIRECT into buffers of its own, or buffered into them (default {DEFAULT_IO})")
     s.add_argument("--trace-out", help="write the routing trace to this .npz")
     s.add_argument("--session-in", help="resume from this session file")
     s.add_argument("--session-out", help="save the session after the run")

@@ -14,6 +14,7 @@ import pytest
 from waste.cli import main
 from waste.container import open_container
 from waste.container.lease import ContainerChanged
+from waste.engine.experts import StreamingExpertStore
 from waste.engine.model import Model
 from waste.testing import tiny_container
 
@@ -73,6 +74,21 @@ def test_truncation_without_a_lease_is_caught_before_the_first_touch(container: 
         os.truncate(container / "experts.bin", c.expert_span(layer, 1)[0])
         with pytest.raises(ContainerChanged, match="truncated to .* while in use"):
             c.expert(layer, 1)
+
+
+def test_truncation_without_a_lease_is_caught_before_a_page_cache_read(container: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streaming store reading into the page cache maps the blob before touching it: a file cut
+    short is refused in one line there too."""
+    from waste.container import lease
+
+    monkeypatch.setattr(lease, "guard", lambda fd, path: False)
+    with open_container(container) as c, StreamingExpertStore(c, 0, io="page-cache") as store:
+        layer = c.config.moe_layers[0]
+        store.get(layer, [0])
+        os.truncate(container / "experts.bin", c.expert_span(layer, 1)[0])
+        with pytest.raises(ContainerChanged, match="truncated to .* while in use"):
+            store.get(layer, [1])
 
 
 def test_cli_run_on_an_unchanged_container_is_unaffected(container: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
+import sys
+from concurrent.futures import wait
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +60,11 @@ class ExpertBlobContainer:
             flat = np.concatenate([x.ravel() for x in w]).view(np.uint8)
             blob[off:off + len(flat)] = flat
         self.experts_path.write_bytes(blob.tobytes())
-        self._map = np.memmap(self.experts_path, np.uint8, "r")
+        self.experts_fd = os.open(self.experts_path, os.O_RDONLY)
+        self._mmap = mmap.mmap(self.experts_fd, 0, access=mmap.ACCESS_READ)
+        self._map = np.frombuffer(self._mmap, np.uint8)
         self.dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # what the store opens experts.bin in
+        self.advised: list[tuple[int, int, int]] = []  # (offset, nbytes, advice) of every advise_experts
         self.verify_data = False  # no CRC table: the data checks belong to the real container
 
     def expert_span(self, layer: int, e: int) -> tuple[int, int]:
@@ -72,6 +78,13 @@ class ExpertBlobContainer:
             from_buffers("f32", (self.i, self.d), {"w": f[n:2 * n].reshape(self.i, self.d)}),
             from_buffers("f32", (self.d, self.i), {"w": f[2 * n:3 * n].reshape(self.d, self.i)}),
         )
+
+    def experts_span(self, offset: int, nbytes: int) -> np.ndarray:
+        return self._map[offset:offset + nbytes]
+
+    def advise_experts(self, offset: int, nbytes: int, advice: int) -> None:
+        self.advised.append((offset, nbytes, advice))
+        self._mmap.madvise(advice, offset, nbytes)
 
     def expert(self, layer: int, e: int):
         off, nbytes = self.spans[(layer, e)]
@@ -101,12 +114,13 @@ def _held_bytes(store: StreamingExpertStore) -> int:
     return sum(int(entry.buf.nbytes) for entry in store._cache.entries.values())
 
 
+@pytest.mark.parametrize("io", ex.IO_MODES)
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("budget_blobs", [0, 3, 1000])
-def test_streaming_serves_the_right_weights(tmp_path, policy, budget_blobs):
+def test_streaming_serves_the_right_weights(tmp_path, policy, budget_blobs, io):
     rng = np.random.default_rng(1)
     c = ExpertBlobContainer(tmp_path, seed=2)
-    with StreamingExpertStore(c, budget_blobs * PAGE, policy, read_threads=3) as store:
+    with StreamingExpertStore(c, budget_blobs * PAGE, policy, read_threads=3, io=io) as store:
         for layer, ids in _random_requests(rng, c, 60):
             _assert_weights(c, layer, ids, store.get(layer, ids))
             assert store.last_hits.shape == (len(ids),)
@@ -298,7 +312,7 @@ def test_store_agrees_with_simulator(tmp_path, policy):
 
 def test_direct_io_on_this_file_system(tmp_path):
     c = ExpertBlobContainer(tmp_path, seed=12)
-    with StreamingExpertStore(c, 0, "lru", read_threads=2, direct_io=True) as store:
+    with StreamingExpertStore(c, 0, "lru", read_threads=2, io="direct") as store:
         assert store.io_mode in ("direct", "buffered")
         assert store.io_mode == "direct" or store.io_note
         _assert_weights(c, 1, [0, 3, 5], store.get(1, [0, 3, 5]))
@@ -315,7 +329,7 @@ def test_direct_io_open_refused_falls_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ex, "_os_open", refuse_direct)
     monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0x4000), raising=False)
-    with StreamingExpertStore(c, 0, "lru", direct_io=True) as store:
+    with StreamingExpertStore(c, 0, "lru", io="direct") as store:
         assert store.io_mode == "buffered"
         assert "open refused" in store.io_note
         _assert_weights(c, 2, [1, 6], store.get(2, [1, 6]))
@@ -342,7 +356,7 @@ def test_direct_io_read_einval_falls_back(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "O_DIRECT", flag, raising=False)
     monkeypatch.setattr(ex, "_os_open", fake_direct_open)
     monkeypatch.setattr(read_buffers, "_preadv", einval_on_direct)
-    with StreamingExpertStore(c, 4 * PAGE, "lru", read_threads=4, direct_io=True) as store:
+    with StreamingExpertStore(c, 4 * PAGE, "lru", read_threads=4, io="direct") as store:
         assert store.io_mode == "direct"
         _assert_weights(c, 3, [0, 2, 4, 5, 7], store.get(3, [0, 2, 4, 5, 7]))
         assert store.io_mode == "buffered"
@@ -394,7 +408,7 @@ def test_stats_table_and_reset(tmp_path):
 
 @pytest.mark.parametrize("quant,fmt", [("f32", "f32"), ("q8", "q8g"), ("q4", "q4g")])
 def test_real_container_budgets_agree(tmp_path_factory, quant, fmt):
-    """Streamed experts equal the mapped ones under every budget, buffered and O_DIRECT."""
+    """Streamed experts equal the mapped ones under every budget and every io mode."""
     c = open_container(tiny_container(tmp_path_factory, quant=quant))
     cfg = c.config
     blob = c.expert_span(cfg.moe_layers[0], 0)[1]
@@ -402,8 +416,8 @@ def test_real_container_budgets_agree(tmp_path_factory, quant, fmt):
     requests = _random_requests(rng, c, 40)
     mapped = MmapExpertStore(c)
     for budget in (0, 3 * blob, cfg.num_experts * len(cfg.moe_layers) * blob):
-        for direct in (False, True):
-            with StreamingExpertStore(c, budget, "lru", read_threads=2, direct_io=direct) as store:
+        for io in ex.IO_MODES:
+            with StreamingExpertStore(c, budget, "lru", read_threads=2, io=io) as store:
                 for layer, ids in requests:
                     got = store.get(layer, ids)
                     want = mapped.get(layer, ids)
@@ -415,3 +429,88 @@ def test_real_container_budgets_agree(tmp_path_factory, quant, fmt):
                 assert store.cached_bytes <= budget
     mapped.close()
     c.close()
+
+
+def test_page_cache_reads_are_views_of_the_map_unmapped_on_eviction(tmp_path, monkeypatch):
+    """io "page-cache": a blob is brought into the page cache over its exact range (WILLNEED, then
+    MADV_POPULATE_READ on Linux) and handed out as a view of the container's map, no copy; an
+    evicted blob is unmapped and left in the page cache, and a view handed out before its
+    eviction still reads the right weights (its pages come back from the file)."""
+    c = ExpertBlobContainer(tmp_path, seed=21)
+    fadvised = []
+    real_fadvise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: fadvised.append((off, n, advice))
+                        or real_fadvise(fd, off, n, advice))
+    with StreamingExpertStore(c, 2 * PAGE, "lru", read_threads=1, io="page-cache") as store:
+        assert store.io_mode == "page-cache"
+        first = store.get(1, [0])
+        off0 = c.expert_span(1, 0)[0]
+        assert np.shares_memory(first[0][0].buffers["w"], c._map)
+        assert fadvised == [(off0, PAGE, os.POSIX_FADV_WILLNEED)]
+        if sys.platform.startswith("linux"):
+            assert c.advised == [(off0, PAGE, read_buffers.MADV_POPULATE_READ)]
+        store.get(1, [1])
+        assert (off0, PAGE, mmap.MADV_DONTNEED) not in c.advised
+        store.get(1, [2])  # evicts (1, 0)
+        assert store.cached_keys() == [(1, 1), (1, 2)]
+        assert (off0, PAGE, mmap.MADV_DONTNEED) in c.advised
+        assert all(advice == os.POSIX_FADV_WILLNEED for *_, advice in fadvised)
+        _assert_weights(c, 1, [0], first)
+
+
+def test_page_cache_reads_without_populate_touch_the_pages(tmp_path, monkeypatch):
+    """A kernel without MADV_POPULATE_READ (before Linux 5.14) refuses it with EINVAL: the store
+    touches the pages instead, from then on, and serves the same weights."""
+    c = ExpertBlobContainer(tmp_path, seed=22)
+    advise = c.advise_experts
+    refused = []
+
+    def no_populate(offset, nbytes, advice):
+        if advice == read_buffers.MADV_POPULATE_READ:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        advise(offset, nbytes, advice)
+
+    monkeypatch.setattr(c, "advise_experts", no_populate)
+    monkeypatch.setattr(sys, "platform", "linux")
+    with StreamingExpertStore(c, PAGE, "lru", read_threads=1, io="page-cache") as store:
+        _assert_weights(c, 2, [1, 3, 6], store.get(2, [1, 3, 6]))
+        _assert_weights(c, 3, [0], store.get(3, [0]))
+    assert len(refused) == 1
+
+
+def test_page_cache_wrong_guesses_are_unmapped(tmp_path):
+    """A guess read ahead into the page cache and never asked for is unmapped once read."""
+    c = ExpertBlobContainer(tmp_path, seed=23)
+    store = StreamingExpertStore(c, 8 * PAGE, "lru", read_threads=3, io="page-cache")
+    store.guess(1, [2, 4])
+    wait([task for _, task, _ in store._ahead.values()])  # both read (an unread guess is only cancelled)
+    store.get(1, [4, 5])  # 2 was a wrong guess
+    store.close()  # waits for the dropped read
+    off2 = c.expert_span(1, 2)[0]
+    assert (off2, PAGE, mmap.MADV_DONTNEED) in c.advised
+    assert store.stats.layer(1).unused_bytes == PAGE
+
+
+def test_unknown_io_mode_is_refused(tmp_path):
+    c = ExpertBlobContainer(tmp_path, seed=24)
+    with pytest.raises(WasteError, match="expert io 'fast'"):
+        StreamingExpertStore(c, 0, io="fast")
+
+
+@pytest.mark.parametrize("io", ex.IO_MODES)
+def test_blobs_too_large_to_cache_are_let_go(tmp_path, io):
+    """A blob the budget cannot hold is let go as an evicted one is once its request is served:
+    unmapped (page-cache), or handed to the spares and read into again (direct, buffered), so a
+    cache of 0 holds no more memory after a thousand reads than after one."""
+    c = ExpertBlobContainer(tmp_path, seed=25)
+    with StreamingExpertStore(c, PAGE - 1, "lru", read_threads=1, io=io) as store:
+        first = store.get(1, [0, 1])
+        del first
+        store.get(1, [2, 3])
+        assert store.cached_bytes == 0
+        if io == "page-cache":
+            released = {off for off, _, advice in c.advised if advice == mmap.MADV_DONTNEED}
+            assert released == {c.expert_span(1, e)[0] for e in range(4)}
+        else:
+            assert store._spare.reused == 2

@@ -15,7 +15,7 @@ import pytest
 
 from waste.container.format import ContainerError
 from waste.container.reader import open_container
-from waste.engine.experts import GUESS_LAYERS, MmapExpertStore, StreamingExpertStore
+from waste.engine.experts import GUESS_LAYERS, IO_MODES, MmapExpertStore, StreamingExpertStore
 from waste.engine.model import Model
 from waste.errors import WasteError
 from waste.testing import tiny_container
@@ -47,8 +47,9 @@ def _run(c, store, read_ahead: bool) -> dict:
     return out
 
 
+@pytest.mark.parametrize("io", IO_MODES)
 @pytest.mark.parametrize("layers_cached", [0, 1.5, 3, 99])
-def test_read_ahead_changes_nothing_but_when_reads_happen(q4, layers_cached) -> None:
+def test_read_ahead_changes_nothing_but_when_reads_happen(q4, layers_cached, io) -> None:
     """With a cache of 0, 1.5, 3 layers' experts or all of them: logits bit for bit those of the
     memory map; hits, misses, bytes and the cache's final entries as without read-ahead; the
     prefill reads at most the model's expert bytes, each expert at most once; what is cached,
@@ -58,8 +59,8 @@ def test_read_ahead_changes_nothing_but_when_reads_happen(q4, layers_cached) -> 
         blob = int(c.expert_span(c.config.moe_layers[0], 0)[1])
         budget = int(layers_cached * c.config.num_experts * blob)
         mapped = _run(c, MmapExpertStore(c), True)
-        plain = _run(c, StreamingExpertStore(c, budget, read_threads=4), False)
-        ahead = _run(c, StreamingExpertStore(c, budget, read_threads=4), True)
+        plain = _run(c, StreamingExpertStore(c, budget, read_threads=4, io=io), False)
+        ahead = _run(c, StreamingExpertStore(c, budget, read_threads=4, io=io), True)
         expert_bytes = c.byte_counts()["expert_bytes"]
     np.testing.assert_array_equal(ahead["logits"], mapped["logits"])
     np.testing.assert_array_equal(plain["logits"], mapped["logits"])
@@ -144,11 +145,11 @@ def test_a_damaged_blob_read_ahead_fails_the_step_only_when_used(tmp_path: Path,
 GUESS_STEPS = 10
 
 
-def _decode_run(c, budget: int, guess: bool) -> dict:
+def _decode_run(c, budget: int, guess: bool, io: str) -> dict:
     """A 3-token prompt (too short to read ahead), then GUESS_STEPS greedy decode steps, guessing
     or not: every logits row, the counters, the cache, and the most bytes the cache, the reads
     under way and those ahead held beyond the budget just after a guess was issued."""
-    store = StreamingExpertStore(c, budget, read_threads=4)
+    store = StreamingExpertStore(c, budget, read_threads=4, io=io)
     model = Model(c, store=store)
     model.guess_experts = guess
     beyond = [0]
@@ -170,8 +171,9 @@ def _decode_run(c, budget: int, guess: bool) -> dict:
     return out
 
 
+@pytest.mark.parametrize("io", IO_MODES)
 @pytest.mark.parametrize("layers_cached", [0, 1.5, 99])
-def test_decode_guesses_change_nothing_but_when_reads_happen(q4, layers_cached) -> None:
+def test_decode_guesses_change_nothing_but_when_reads_happen(q4, layers_cached, io) -> None:
     """Decode guessing the next MoE layers' experts: logits bit for bit, hits, misses and the cache's
     final entries as without guesses; some misses were read before their layer asked (with a
     cache too small to hold everything); bytes read are those of the misses plus the wrong
@@ -180,8 +182,8 @@ def test_decode_guesses_change_nothing_but_when_reads_happen(q4, layers_cached) 
         blob = int(c.expert_span(c.config.moe_layers[0], 0)[1])
         budget = int(layers_cached * c.config.num_experts * blob)
         k = c.config.num_experts_per_token
-        guessed = _decode_run(c, budget, True)
-        plain = _decode_run(c, budget, False)
+        guessed = _decode_run(c, budget, True, io)
+        plain = _decode_run(c, budget, False, io)
     np.testing.assert_array_equal(guessed["logits"], plain["logits"])
     for key in ("hits", "misses", "requests", "calls"):
         assert guessed["total"][key] == plain["total"][key], key

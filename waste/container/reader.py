@@ -294,6 +294,21 @@ class Container:
         """Descriptor of experts.bin (open while the container is; do not close it)."""
         return self._fds[EXPERTS]
 
+    def experts_span(self, offset: int, nbytes: int) -> np.ndarray:
+        """experts.bin's bytes [offset, offset + nbytes) as a read-only view of its memory map,
+        neither touched nor checked: the caller brings the pages in (`advise_experts`) and checks
+        them (`check_expert`)."""
+        self._check_size(EXPERTS, offset + nbytes)
+        return self._experts[offset:offset + nbytes]
+
+    def advise_experts(self, offset: int, nbytes: int, advice: int) -> None:
+        """madvise(2) `advice` over experts.bin's map, bytes [offset, offset + nbytes) (offset a
+        multiple of the page size); OSError as the kernel reports it."""
+        view = self._experts.base
+        if not isinstance(view, memoryview) or not isinstance(view.obj, mmap.mmap):
+            raise ContainerError(f"{self.experts_path}: not mapped (empty, or the container is closed)")
+        view.obj.madvise(advice, offset, nbytes)
+
     def data_fds(self) -> list[int]:
         """Descriptors of trunk.bin and experts.bin (open while the container is; do not close them)."""
         return list(self._fds.values())

@@ -111,7 +111,7 @@ def cmd_run(args: Any) -> int:
             # The one line saying why the run streams (stdout may carry the generated text);
             # when every expert fits, the memory-mapped store needs no word.
             print(memory.describe(), file=sys.stderr)
-    store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.direct_io)
+    store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.expert_io)
     if model is None:
         model = Model(container, store=store, router_weights=args.router_weights)
     else:

@@ -29,7 +29,7 @@ class Entry:
 
 class ExpertCache:
     """Entries keyed by (layer, expert) within a byte budget; LRU or LFU (ties to LRU).
-    `on_evict(buf)` receives each evicted entry's buffer."""
+    `on_evict(buf)` receives each evicted entry's buffer, and that of each entry too large to cache."""
 
     def __init__(self, budget_bytes: int, policy: str, on_evict: Callable[[np.ndarray], None] | None = None):
         self.budget = budget_bytes
@@ -54,7 +54,9 @@ class ExpertCache:
             self._push(key, held)
             return
         nbytes = int(entry.buf.nbytes)
-        if nbytes > self.budget:
+        if nbytes > self.budget:  # never cached: its buffer is let go as an evicted one is
+            if self.on_evict is not None:
+                self.on_evict(entry.buf)
             return
         while self.held + nbytes > self.budget:
             self._evict()

@@ -6,8 +6,8 @@ token), sorted, with one `get` per layer per step. A streaming store answers in 
 phases whose semantics docs/TRACE.md fixes and `waste.analysis.cache_sim` replays exactly:
 
 1. lookup: every id is looked up; the outcome (hit or miss) is decided for all ids before
-   anything changes. Misses are read, one `pread` per blob, issued in disk-offset order and
-   spread over a small thread pool, then decoded.
+   anything changes. Misses are read, one read per blob (`io`: `waste.engine.expert_io`), issued in
+   disk-offset order and spread over a small thread pool, then decoded.
 2. touch, in the order asked: a cached id is marked used (LRU: most recent; LFU: count + 1
    and most recent); an id not cached is inserted, evicting least-recently-used entries
    (LFU: lowest count, ties to the least recent) until it fits. A blob larger than the
@@ -48,8 +48,10 @@ the caller, before the blob is handed out.
 
 The cache (`waste.engine.expert_cache`) charges each entry its blob's size in experts.bin
 (padding included), the size of the buffer the decoded views live in; the charge never exceeds
-the budget. Experts handed out stay valid after eviction: they hold their own buffer. An evicted
-entry's buffer is read into again (`waste.engine.read_buffers`) only once nothing refers to it.
+the budget. Experts handed out stay valid after eviction: they hold their own buffer, read into
+again (`waste.engine.read_buffers`) only once nothing refers to it; or, read into the page cache
+(io "page-cache"), they are views of the container's map, whose unmapped pages the kernel reads
+back from experts.bin if they are touched again.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ import numpy as np
 
 from waste.container.format import EXPERTS
 from waste.engine.expert_cache import POLICIES, Entry, ExpertCache
+from waste.engine.expert_io import DEFAULT_IO, IO_MODES
 from waste.engine.expert_store import Arrivals, Expert, ExpertStore, MmapExpertStore
-from waste.engine.read_buffers import SPARE_BUFFERS, SpareBuffers, pread_into
+from waste.engine.read_buffers import SPARE_BUFFERS, PageCacheReads, SpareBuffers, pread_into
 from waste.errors import WasteError
 
 # MoE layers a decode step guesses ahead. On the 48B q4 container from disk (2026-12-01, Xeon,
@@ -80,8 +83,8 @@ GUESS_LAYERS = 2
 class StreamingExpertStore(ExpertStore):
     """Reads missing experts from experts.bin into a cache of `budget_bytes` (see module doc).
 
-    `io_mode` is "direct" when O_DIRECT is in use and "buffered" otherwise; `io_note` says
-    why a requested O_DIRECT was given up (open refused, or a read returned EINVAL).
+    `io` is one of IO_MODES; `io_mode` is what is in use: "direct" falls back to "buffered", and
+    `io_note` says why (open refused, or a read returned EINVAL).
     """
 
     def __init__(
@@ -90,9 +93,11 @@ class StreamingExpertStore(ExpertStore):
         budget_bytes: int,
         policy: str = "lru",
         read_threads: int = 4,
-        direct_io: bool = False,
+        io: str = DEFAULT_IO,
     ):
         super().__init__(container)
+        if io not in IO_MODES:
+            raise WasteError(f"expert io {io!r}: expected one of {', '.join(IO_MODES)}")
         if budget_bytes < 0:
             raise WasteError(f"expert cache budget must not be negative, got {budget_bytes}")
         if policy not in POLICIES:
@@ -108,7 +113,8 @@ class StreamingExpertStore(ExpertStore):
                                  for e in range(self._num_experts))
         self._verify = bool(container.verify_data)
         self._spare = SpareBuffers(SPARE_BUFFERS)
-        self._cache = ExpertCache(self.budget_bytes, policy, self._spare.give)
+        self._page_cache = PageCacheReads(container) if io == "page-cache" else None
+        self._cache = ExpertCache(self.budget_bytes, policy, self._evicted)
         self._lock = threading.Lock()
         # (layer, expert, its entry, its check) of blobs handed out whose checks nobody waited for yet
         self._pending: list[tuple[int, int, Entry | None, Future[None]]] = []
@@ -122,7 +128,9 @@ class StreamingExpertStore(ExpertStore):
         self._ahead_peak = 0
         self._missing_bytes = 0
         self._retired_fds: list[int] = []
-        self._fd: int | None = self._open(direct_io)
+        self._fd: int | None = self._open(io == "direct")
+        if self._page_cache is not None:
+            self.io_mode = "page-cache"
         self._pool = ThreadPoolExecutor(self.read_threads, "waste-expert-read") if self.read_threads > 1 else None
 
     @property
@@ -303,9 +311,16 @@ class StreamingExpertStore(ExpertStore):
                 task.add_done_callback(lambda _task, arrived=arrived: self._recycle(arrived))
 
     def _recycle(self, arrived: Future[np.ndarray]) -> None:
-        """A dropped read's buffer, once read, goes to the spares."""
+        """A dropped read's buffer, once read, goes to the spares (see `_evicted`)."""
         if arrived.done() and arrived.exception() is None:
-            self._spare.give(arrived.result())
+            self._evicted(arrived.result())
+
+    def _evicted(self, buf: np.ndarray) -> None:
+        """An evicted entry's buffer goes to the spares (io "page-cache": its pages are unmapped)."""
+        if self._page_cache is not None:
+            self._page_cache.release(buf)
+        else:
+            self._spare.give(buf)
 
     def verify_pending(self) -> None:
         """Wait for the CRC checks of every blob handed out so far. A blob that failed leaves the
@@ -415,6 +430,13 @@ class StreamingExpertStore(ExpertStore):
         return buf
 
     def _read(self, offset: int, nbytes: int) -> np.ndarray:
+        if self._page_cache is not None:
+            if self._fd is None:
+                raise WasteError("expert store is closed")
+            try:
+                return self._page_cache.read(offset, nbytes)
+            except OSError as e:
+                raise WasteError(f"expert file {self._path}: reading {nbytes} B at {offset}: {e.strerror}") from None
         buf = self._spare.take(nbytes)
         while True:
             fd, direct = self._fd, self.io_mode == "direct"
@@ -448,12 +470,12 @@ def open_expert_store(
     budget_bytes: int | None,
     policy: str = "lru",
     read_threads: int = 4,
-    direct_io: bool = False,
+    io: str = DEFAULT_IO,
 ) -> ExpertStore:
     """The store `waste run` uses: budget None maps the container, otherwise stream."""
     if budget_bytes is None:
         return MmapExpertStore(container)
-    return StreamingExpertStore(container, budget_bytes, policy, read_threads, direct_io)
+    return StreamingExpertStore(container, budget_bytes, policy, read_threads, io)
 
 
 # A module-level hook so tests can force the O_DIRECT fallback at open.

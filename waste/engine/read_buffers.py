@@ -1,13 +1,16 @@
-"""Page-aligned read buffers for the streaming expert store: fresh ones populated by the map
-call, evicted ones reused once nothing refers to them; and the positional read that fills one."""
+"""Where the streaming expert store reads blobs to: page-aligned anonymous buffers (fresh ones
+populated by the map call, evicted ones reused once nothing refers to them) filled by a
+positional read, or the page cache under the container's own memory map (`PageCacheReads`)."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import sys
 import threading
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -97,3 +100,50 @@ def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
         if got == 0:
             raise EOFError
         done += got
+
+
+# madvise advice (Linux 5.14) that faults a range of a map in, reading what the page cache
+# lacks, without touching the memory from user space; Python's mmap module does not name it.
+MADV_POPULATE_READ = 22
+
+
+class PageCacheReads:
+    """Blobs read into the page cache and handed out as views of the container's memory map
+    (the streaming store's io "page-cache").
+
+    Each read brings in the blob's exact range: POSIX_FADV_WILLNEED, then MADV_POPULATE_READ (the
+    fault's own read-ahead alone read twice the bytes of the blobs asked for). An evicted blob is
+    only unmapped: its pages leave the process's RSS and stay in the page cache, which the kernel
+    reclaims as it needs room. Dropping them from the page cache as well (POSIX_FADV_DONTNEED)
+    was measured and not kept: on the 48B q4 container (2-core Firecracker VM, 2026-12-03) it
+    decoded at 1.67 tok/s against 2.39 without the drop, its cold prefill 8.1 against 8.8 tok/s
+    (freed memory goes back to the host; new memory costs this VM's CPUs 1-3 s per GB).
+
+    A view stays correct whatever happens to its pages: they belong to experts.bin, so a page
+    unmapped or reclaimed is read back on the next touch.
+    """
+
+    def __init__(self, container: Any):
+        self._container = container
+        self._fd = container.experts_fd
+        self._populate = sys.platform.startswith("linux")
+        self._start = container.experts_span(0, 0).ctypes.data  # the map's address: a view's offset
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        """The blob at [offset, offset + nbytes), its pages in the page cache and mapped."""
+        view = self._container.experts_span(offset, nbytes)
+        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        if self._populate:
+            try:
+                self._container.advise_experts(offset, nbytes, MADV_POPULATE_READ)
+                return view
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # a kernel before 5.14 does not know the advice
+                    raise
+                self._populate = False
+        int(view[:: mmap.PAGESIZE].max())  # a touch per page faults each in (reads what WILLNEED has not yet)
+        return view
+
+    def release(self, view: np.ndarray) -> None:
+        """Unmap an evicted (or unused) blob's pages from this process; the page cache keeps them."""
+        self._container.advise_experts(view.ctypes.data - self._start, view.nbytes, mmap.MADV_DONTNEED)
