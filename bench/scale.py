@@ -11,7 +11,7 @@ Each store then runs in its own child process (a fresh RSS peak, nothing shared)
 - `streaming-unguessed`, `mmap-unguessed`: the same without the decode's guesses of the next
   MoE layers' experts (`waste.engine.model`), `mmap-unguessed` being the plain memory map;
 - `streaming-page-cache`: the streaming cache with `--expert-io page-cache`: blobs read into
-  the page cache and used as views of the map (`waste.engine.expert_io` for the trade-off).
+  the page cache and used as views of the map (`waste.expert_io` for the trade-off).
 
 Same RAM for both: the machine's own. The q4 experts (26 GB) exceed this machine's RAM, so the
 page cache can hold only part of them, and the streaming cache is sized from the same
@@ -60,10 +60,10 @@ import numpy as np
 from waste.analysis.budget import copy_bandwidth, decode_speed_bound, predict_run
 from waste.analysis.machine import Bandwidth, Bandwidths, measure_memory
 from waste.container import open_container
-from waste.engine.expert_io import DEFAULT_IO
 from waste.engine.experts import MmapExpertStore, StreamingExpertStore
 from waste.engine.memory import measure_runtime, peak_rss, plan_run_memory
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS
+from waste.expert_io import DEFAULT_IO
 from waste.plan import make_plan
 from waste.synth_container import synthesize_container
 from waste.units import parse_size

@@ -16,9 +16,9 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from waste.engine.expert_io import DEFAULT_IO, IO_MODES
 from waste.env import blas_threads
 from waste.errors import CheckFailed, WasteError
+from waste.expert_io import DEFAULT_IO, IO_MODES
 from waste.qformat import EXPERT_CHOICES, SCHEMES
 
 # subcommand -> "module:function" taking the parsed args and returning an exit code

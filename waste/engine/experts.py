@@ -6,7 +6,7 @@ token), sorted, with one `get` per layer per step. A streaming store answers in 
 phases whose semantics docs/TRACE.md fixes and `waste.analysis.cache_sim` replays exactly:
 
 1. lookup: every id is looked up; the outcome (hit or miss) is decided for all ids before
-   anything changes. Misses are read, one read per blob (`io`: `waste.engine.expert_io`), issued in
+   anything changes. Misses are read, one read per blob (`io`: `waste.expert_io`), issued in
    disk-offset order and spread over a small thread pool, then decoded.
 2. touch, in the order asked: a cached id is marked used (LRU: most recent; LFU: count + 1
    and most recent); an id not cached is inserted, evicting least-recently-used entries
@@ -69,10 +69,10 @@ import numpy as np
 
 from waste.container.format import EXPERTS
 from waste.engine.expert_cache import POLICIES, Entry, ExpertCache
-from waste.engine.expert_io import DEFAULT_IO, IO_MODES
 from waste.engine.expert_store import Arrivals, Expert, ExpertStore, MmapExpertStore
 from waste.engine.read_buffers import SPARE_BUFFERS, PageCacheReads, SpareBuffers, pread_into
 from waste.errors import WasteError
+from waste.expert_io import DEFAULT_IO, IO_MODES
 
 # MoE layers a decode step guesses ahead. On the 48B q4 container from disk (2026-12-01, Xeon,
 # 18 GiB cache, 1.9 GB/s disk) a steady decode step took 259-298 ms unguessed, 253 guessing
