@@ -44,6 +44,12 @@ DENSE_FORMATS = ("f32", "bf16")  # the QMatrix formats of these products (dense_
 LANES = 16  # float32 lanes of one 512-bit accumulator
 PAIR_BLOCK = 2 * LANES  # bf16 inputs one vdpbf16ps consumes per row
 ROW_TILE = 4  # rows sharing one pass over a token's activations (one-token products)
+# Rows of one parallel work item of a one-token product: ROW_TILE tiles in a row. Items of one
+# tile (16 KiB of f32 weights at width 1024) cost more to hand out than they stream: on the Zen 5
+# EPYC (2026-12-03), 18 `mini` f32 gate/up matrices in one call streamed at 26.8-37.0 GB/s
+# (median) in items of 4 rows and 34.3-46.5 in items of 16; bf16 25.1-25.8 against 30.7-34.3.
+# A multiple of ROW_TILE, so every row falls in the same tile as before: the same bits.
+ONE_TOKEN_ROWS = 4 * ROW_TILE
 TOKEN_TILE = 4  # tokens sharing one pass over a row's weights (chunks)
 # Weight bytes of one parallel block of rows in a chunk's product: they stay in L2 while the
 # chunk's activations stream past them once per block.
@@ -365,7 +371,7 @@ def _run_blocks(w, xs, Y):
     """The row blocks of Y [T, N] in parallel (serially when the product is small)."""
     N = w.shape[0]
     row_bytes = w.shape[1] * w.itemsize
-    rows = ROW_TILE if Y.shape[0] == 1 else max(1, CHUNK_BLOCK_BYTES // row_bytes // ROW_TILE) * ROW_TILE
+    rows = ONE_TOKEN_ROWS if Y.shape[0] == 1 else max(1, CHUNK_BLOCK_BYTES // row_bytes // ROW_TILE) * ROW_TILE
     blocks = (N + rows - 1) // rows
     if w.size * w.itemsize * Y.shape[0] <= SERIAL_BYTES:
         for i in range(blocks):
@@ -496,22 +502,26 @@ def dense_table(matrices: Sequence[Any]) -> np.ndarray:
 def _dense_products(xs, rows, table, like, Y):
     """Y[m, 0, :N_m] = xs[rows[m]] W_m^T for M matrices of one dense format (like: the weights'
     dtype, K columns, no rows) read by address (table [M, 2]: address, N_m), in blocks of
-    ROW_TILE rows as f32_matmul and bf16_matmul make them for one token; xs as those pass it
-    to the tiles. The blocks of all the matrices run in one parallel region."""
+    ONE_TOKEN_ROWS rows as f32_matmul and bf16_matmul make them for one token; xs as those pass
+    it to the tiles. The blocks of all the matrices run in one parallel region."""
     M = table.shape[0]
     items = 0
     for m in range(M):
-        items += (table[m, 1] + ROW_TILE - 1) // ROW_TILE
+        items += (table[m, 1] + ONE_TOKEN_ROWS - 1) // ONE_TOKEN_ROWS
     item_matrix = np.empty(items, np.int64)
     item_row = np.empty(items, np.int64)
     i = 0
     for m in range(M):
-        for n0 in range(0, table[m, 1], ROW_TILE):
+        for n0 in range(0, table[m, 1], ONE_TOKEN_ROWS):
             item_matrix[i] = m
             item_row[i] = n0
             i += 1
     for i in prange(items):
-        _dense_rows(xs, rows, table, like, Y, item_matrix[i], item_row[i])
+        m, n0 = item_matrix[i], item_row[i]
+        N = table[m, 1]
+        w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
+        r = rows[m]
+        _row_block(w, xs[r:r + 1], Y[m], n0, min(N, n0 + ONE_TOKEN_ROWS))
 
 
 @parallel_kernel
@@ -538,12 +548,3 @@ def _dense_spans(xs, x_start, count, y_start, table, like, Y):
         w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
         a, y0, c = x_start[m], y_start[m], count[m]
         _row_block(w, xs[a:a + c], Y[y0:y0 + c], n0, min(N, n0 + rows))
-
-
-@kernel
-def _dense_rows(xs, rows, table, like, Y, m, n0):
-    """Rows n0 .. n0 + ROW_TILE of matrix m of _dense_products."""
-    N = table[m, 1]
-    w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
-    r = rows[m]
-    _row_block(w, xs[r:r + 1], Y[m], n0, min(N, n0 + ROW_TILE))
