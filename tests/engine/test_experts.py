@@ -79,7 +79,7 @@ class ExpertBlobContainer:
             from_buffers("f32", (self.d, self.i), {"w": f[2 * n:3 * n].reshape(self.d, self.i)}),
         )
 
-    def experts_span(self, offset: int, nbytes: int) -> np.ndarray:
+    def experts_view(self, offset: int, nbytes: int) -> np.ndarray:
         return self._map[offset:offset + nbytes]
 
     def advise_experts(self, offset: int, nbytes: int, advice: int) -> None:

@@ -294,7 +294,7 @@ class Container:
         """Descriptor of experts.bin (open while the container is; do not close it)."""
         return self._fds[EXPERTS]
 
-    def experts_span(self, offset: int, nbytes: int) -> np.ndarray:
+    def experts_view(self, offset: int, nbytes: int) -> np.ndarray:
         """experts.bin's bytes [offset, offset + nbytes) as a read-only view of its memory map,
         neither touched nor checked: the caller brings the pages in (`advise_experts`) and checks
         them (`check_expert`)."""

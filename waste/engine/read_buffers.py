@@ -127,11 +127,11 @@ class PageCacheReads:
         self._container = container
         self._fd = container.experts_fd
         self._populate = sys.platform.startswith("linux")
-        self._start = container.experts_span(0, 0).ctypes.data  # the map's address: a view's offset
+        self._start = container.experts_view(0, 0).ctypes.data  # the map's address: a view's offset
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         """The blob at [offset, offset + nbytes), its pages in the page cache and mapped."""
-        view = self._container.experts_span(offset, nbytes)
+        view = self._container.experts_view(offset, nbytes)
         os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
         if self._populate:
             try:
