@@ -131,9 +131,12 @@ def test_step_fails_on_a_blob_used_before_its_check_finished(container: Path, na
     """The kernels compute with the damaged blobs while their checks are held back; the step still
     raises the CRC mismatch, before the NaN those blobs put in the MoE output is reported."""
     with open_container(container) as c, StreamingExpertStore(c, 1 << 30, read_threads=2) as store:
-        # Also loads every kernel, so the damaged run below computes at once.
-        warm = Model(c, store=store).new_session(8)
-        Model(c, store=store).prefill(warm, [1, 2, 3])
+        # Also loads every kernel, prefill's and decode's, so the damaged run below computes at once
+        # (on a cold Numba cache, compiling the decode kernels outlasted the held-back checks).
+        model = Model(c, store=store)
+        warm = model.new_session(8)
+        model.prefill(warm, [1, 2, 3])
+        model.decode(model.new_session(8), 5)
     tokens = list(warm.tokens) if phase == "decode" else []
     _damage(container, nan=nan)
     with open_container(container) as c, StreamingExpertStore(c, 0, read_threads=2) as store:
