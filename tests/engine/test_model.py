@@ -206,11 +206,13 @@ def test_logits_do_not_depend_on_the_thread_count(tmp_path, quant):
 @pytest.mark.parametrize(("preset", "quant"), [("tiny", "q4"), ("tiny", "q8"), ("tiny", "f32"), ("tiny", "bf16"),
                                              ("k3-tiny", "q8")])
 def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, monkeypatch, preset, quant):
-    """A memory-mapped store's decode gathers a layer's experts from its ExpertTables; a store
-    that does not say it maps every expert takes the path through `fetch`. Logits bit for bit
-    and the store's counters the same, step after step (the tables fill as experts first show).
-    Both paths hand the one-token kernel arguments of the same types, so it compiles once: a
-    read-only table on one path once cost a second compilation (5-7 s) in the middle of a decode."""
+    """A memory-mapped store's decode routes and runs a layer's experts from its ExpertTables in
+    one call; a store that does not say it maps every expert takes the path through `fetch`.
+    Logits bit for bit and the store's counters the same, step after step (the tables fill as
+    experts first show). The tables' kernel is called with arguments of one type throughout, so
+    it compiles once: a read-only table once cost a second compilation (5-7 s) in the middle of
+    a decode. (Only kernels called from Python are recorded: a stand-in for one that compiled
+    code calls would break that code's compilation.)"""
     from waste.engine.expert_store import MmapExpertStore
     from waste.kernels import moe
 
@@ -227,7 +229,7 @@ def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, mo
             return kernel(*args)
         return record
 
-    for kernel_name in ("_gated_one_token", "_dense_gated_one_token"):
+    for kernel_name in ("_moe_one_token", "_dense_moe_one_token"):
         monkeypatch.setattr(moe, kernel_name, recording(kernel_name))
 
     path = tiny_container(tmp_path_factory.mktemp("tables"), preset=preset, quant=quant)

@@ -12,6 +12,7 @@ from conftest import assert_close
 
 from waste.errors import WasteError
 from waste.kernels.moe import (
+    ExpertTables,
     add_weighted,
     gated_experts,
     gated_experts_one_token,
@@ -21,6 +22,7 @@ from waste.kernels.moe import (
     swiglu,
 )
 from waste.kernels.quant import quantize
+from waste.kernels.routing import route, router_logits
 from waste.reference import k3 as k3ref
 from waste.reference import moe as ref
 from waste.reference import quant as qref
@@ -177,6 +179,43 @@ def test_gated_experts_sum_one_token_equals_the_rows_added(routed: str, shared: 
     assert gated_experts_sum_one_token(x, [*experts, *_experts(rng, other, 1, 64, 96)], weights, act) is None
     with pytest.raises(WasteError, match="weights for"):
         gated_experts_sum_one_token(x, experts[:3], weights, act)
+
+
+@pytest.mark.parametrize(("routed", "shared", "act"), [("q4g", "q8g", None), ("mxfp4", None, (4.0, 25.0)),
+                                                   ("f32", "f32", None), ("bf16", None, (2.0, None))])
+def test_expert_tables_route_and_sum_equals_routing_then_summing(routed: str, shared: str | None, act) -> None:
+    """A decode step from the tables, in one call: the ids and weights of router_logits and
+    route (grouped, biased choice), and the sum of gated_experts_sum_one_token over the chosen
+    experts in id order (then the shared ones), bit for bit; routed on x, run on z. While a
+    chosen expert has no rows, the routing alone, and no sum."""
+    rng = np.random.default_rng(61)
+    E, k, D, I = 16, 4, 96, 64
+    experts = _experts(rng, routed, E, I, D)
+    shared_expert = _experts(rng, shared, 1, I, D)[0] if shared else None
+    router_weight = rng.standard_normal((E, 48)).astype(np.float32)
+    bias = rng.uniform(-0.1, 0.1, E).astype(np.float32)
+    router = (router_weight, bias, k, 4, 2, True, np.float32(2.5), True)  # 4 groups keep 2; biased weights
+    tables = ExpertTables(E, shared_expert, act)
+    for e in range(E - 1):  # the last expert has no rows yet
+        tables.add(e, experts[e])
+    seen = 0
+    for _ in range(12):
+        x = rng.standard_normal((1, 48)).astype(np.float32)
+        z = (4 * rng.standard_normal((1, D))).astype(np.float32)
+        want_ids, want_weights = route(router_logits(x, router_weight), bias, top_k=k, num_groups=4, topk_group=2,
+                                       scaling=2.5, router_weights="biased")
+        ids, weights, unique, y = tables.route_and_sum(x, z, router)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(weights, want_weights)
+        np.testing.assert_array_equal(unique, np.sort(want_ids[0]))
+        if E - 1 in unique:
+            assert y is None
+            continue
+        seen += 1
+        chosen = [experts[e] for e in unique] + ([shared_expert] if shared_expert else [])
+        want = gated_experts_sum_one_token(z, chosen, want_weights[0, np.argsort(want_ids[0])], act)
+        np.testing.assert_array_equal(y, want)
+    assert seen >= 6
 
 
 def test_add_weighted_equals_numpy_row_by_row() -> None:

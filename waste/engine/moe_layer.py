@@ -16,7 +16,9 @@ for all of them (`waste.kernels.moe.gated_experts_one_token`; with the shared ex
 weighted sum when all are ready, `gated_experts_sum_one_token`), and each later one as it
 arrives. A store that maps every expert (`maps_every_expert`: the memory map) is asked only to
 count a decode step's request once the layer holds the step's experts as rows of that call's
-tables (`waste.kernels.moe.ExpertTables`, filled as experts first come through `fetch`).
+tables (`waste.kernels.moe.ExpertTables`, filled as experts first come through `fetch`): the
+step then routes and runs its experts in one kernel call (`ExpertTables.route_and_sum`), unless
+a guess of the next layers' experts waits on its request (`then`).
 
 Every MLP here (dense, shared and routed experts) is gated: down(act(gate x, up x)), with
 act = SiLU(g) * u (SwiGLU, `hidden_act` "silu") or SiTU (K3, "situ"; see `waste.kernels.moe`).
@@ -163,6 +165,9 @@ class MoELayer:
                              "disagree on the number of experts")
         check_routing(len(self.score_bias), self.score_bias, top_k=self.top_k, num_groups=self.num_groups,
                       topk_group=self.topk_group, router_weights=router_weights)
+        # route_one_token's arguments from the router weight to `biased` (ExpertTables.route_and_sum).
+        self._router_args = (self.router_weight, self.score_bias, self.top_k, self.num_groups, self.topk_group,
+                             self.renormalize, np.float32(self.scaling), router_weights == "biased")
         # A decode step's experts as table rows, for a store that maps every expert (_tables_for).
         self._tables: ExpertTables | None = None
         self._tables_store: ExpertSource | None = None
@@ -200,16 +205,17 @@ class MoELayer:
         fetched once. The `shared` experts, if given, run on z while the routed ones are read;
         their output is added after the routed sum. `then` is called once the store has the
         request (its reads are issued): the model guesses the next layer's experts there."""
-        ids, weights = self.route(x)
-        # One token's top-k ids are distinct: sorted, they are its unique ids (np.unique costs 3x).
-        unique = np.sort(ids[0]) if len(ids) == 1 else np.unique(ids)
         tables = self._tables_for(store, shared) if z.shape[0] == 1 else None
-        if tables is not None and tables.has(unique):
-            store.count_request(self.layer_index, unique)  # type: ignore[attr-defined]
-            if then is not None:
-                then()
-            y = tables.sum_one_token(z, unique, weights[0, np.argsort(ids[0])])[None, :]
-            return y, RoutingInfo(ids, weights, unique, ids.size / len(unique))
+        if tables is not None and then is None:
+            # Routing and, when every expert has rows, the experts too, in one call.
+            ids, weights, unique, y = tables.route_and_sum(x, z, self._router_args)
+            if y is not None:
+                store.count_request(self.layer_index, unique)  # type: ignore[attr-defined]
+                return y[None, :], RoutingInfo(ids, weights, unique, ids.size / len(unique))
+        else:
+            ids, weights = self.route(x)
+            # One token's top-k ids are distinct: sorted, they are its unique ids (np.unique costs 3x).
+            unique = np.sort(ids[0]) if len(ids) == 1 else np.unique(ids)
         arrivals, ready = _arrivals(store, self.layer_index, unique)
         if then is not None:
             then()

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from waste.jit import kernel, parallel_kernel
+from waste.jit import kernel
 from waste.kernels.bf16 import _dense_products, _operand_into, _run_blocks
 from waste.kernels.fastmath import fsigmoid
 from waste.kernels.kda import _gate_kernel, _gated_rmsnorm_kernel
 from waste.kernels.kda_decode import _deferred_decode_kernel
 from waste.kernels.quant import _q_product, _q_products
+from waste.kernels.serial import column_max
 from waste.kernels.short_conv import _conv_step_kernel
 from waste.qformat import ROWS
 
@@ -32,7 +33,8 @@ def sigmoid_into(x, out):
         out[i] = fsigmoid(x[i])
 
 
-@parallel_kernel
+# Serial: its parallel regions are those of the kernels it calls.
+@kernel
 def kda_decode_step(x, first_rows, first_table, first_tscales, first_format, first_qs, first_scales, first_qs_b,
                     first_scales_b, mid_rows, mid_table, mid_tscales, mid_format, mid_qs, mid_scales, mid_qs_b,
                     mid_scales_b, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk, base,
@@ -47,11 +49,11 @@ def kda_decode_step(x, first_rows, first_table, first_tscales, first_format, fir
     l2norm_qk arrives as an argument (True): passed as a literal here, it compiled the
     recurrence specialised, which then rounded an ulp away from the call-by-call step."""
     H, K = g.shape
-    products = np.empty((first_table.shape[0], 1, ROWS * first_table[:, 2].max()), np.float32)
+    products = np.empty((first_table.shape[0], 1, ROWS * column_max(first_table, 2)), np.float32)
     _q_products(x, first_rows, first_table, first_tscales, first_format, first_qs, first_scales, first_qs_b,
                 first_scales_b, products)
     low = _low_rank(products, mid_table.shape[0], K)
-    mid = np.empty((mid_table.shape[0], 1, ROWS * mid_table[:, 2].max()), np.float32)
+    mid = np.empty((mid_table.shape[0], 1, ROWS * column_max(mid_table, 2)), np.float32)
     _q_products(low, mid_rows, mid_table, mid_tscales, mid_format, mid_qs, mid_scales, mid_qs_b, mid_scales_b, mid)
     normed = np.empty((H, K), np.float32)
     _after_products(products, mid, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk,
@@ -59,7 +61,8 @@ def kda_decode_step(x, first_rows, first_table, first_tscales, first_format, fir
     _q_product(normed.reshape((1, H * K)), o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, o_tscale, y, y)
 
 
-@parallel_kernel
+# Serial: its parallel regions are those of the kernels it calls.
+@kernel
 def kda_decode_step_dense(xs, first_rows, first_table, first_like, mid_rows, mid_table, mid_like, operand_mode,
                           low_operand, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk,
                           base, pending_k, pending_d, o_norm, eps, o_w, o_operand, y, g, beta):
@@ -70,10 +73,10 @@ def kda_decode_step_dense(xs, first_rows, first_table, first_like, mid_rows, mid
     and the normed output into the tiles' form, in the buffers low_operand [1-2, *] and
     o_operand [1, *]. y [1, hidden]. The bits of the call-by-call step."""
     H, K = g.shape
-    products = np.empty((first_table.shape[0], 1, first_table[:, 1].max()), np.float32)
+    products = np.empty((first_table.shape[0], 1, column_max(first_table, 1)), np.float32)
     _dense_products(xs, first_rows, first_table, first_like, products)
     _operand_into(_low_rank(products, mid_table.shape[0], K), low_operand, operand_mode)
-    mid = np.empty((mid_table.shape[0], 1, mid_table[:, 1].max()), np.float32)
+    mid = np.empty((mid_table.shape[0], 1, column_max(mid_table, 1)), np.float32)
     _dense_products(low_operand, mid_rows, mid_table, mid_like, mid)
     normed = np.empty((H, K), np.float32)
     _after_products(products, mid, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk,

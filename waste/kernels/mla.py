@@ -147,8 +147,9 @@ def _decode(q, latent, n, scale, kv_rank, nchunks, block, probs, out):
             probs[h, j] *= inv
     # Weighted latent sum: one partial [H, R] per token range (reduced afterwards), walked in
     # blocks so each head's accumulator row stays hot across the block's rows.
-    partial = np.zeros((nchunks, H, kv_rank), np.float32)
+    partial = np.empty((nchunks, H, kv_rank), np.float32)
     for c in prange(nchunks):
+        partial[c] = 0.0  # here, not np.zeros: that would be a parallel region of its own
         j0 = c * n // nchunks
         j1 = (c + 1) * n // nchunks
         for jb in range(j0, j1, block):

@@ -28,6 +28,8 @@ from waste.kernels.bf16 import (
     operand_mode,
 )
 from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, _q_products, matmul_pair
+from waste.kernels.routing import route_one_token
+from waste.kernels.serial import column_max, row_ids, zero_ids
 from waste.qformat import ROWS
 
 
@@ -192,7 +194,8 @@ def run_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
     return True
 
 
-@parallel_kernel
+# Serial: its parallel regions are those of the kernels it calls.
+@kernel
 def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b,
                      down_table, down_tscales, down_first, down_qs, down_scales, down_qs_b, down_scales_b,
                      inner, use_situ, beta, linear_beta, outs, weights, y):
@@ -203,8 +206,8 @@ def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_
     QBatch holds them). When y [out] is not empty, also y += weights[e] outs[e] for the first
     len(weights) experts in turn (`_add_weighted`), then += outs[e] of each later one."""
     n, out = outs.shape
-    gate_up = np.empty((2 * n, 1, ROWS * gu_table[:, 2].max()), np.float32)
-    _q_products(x, np.zeros(2 * n, np.int64), gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b,
+    gate_up = np.empty((2 * n, 1, ROWS * column_max(gu_table, 2)), np.float32)
+    _q_products(x, zero_ids(2 * n), gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b,
                 gu_scales_b, gate_up)
     # Contiguous [E, inner] gate and up, as swiglu and situ_mlp hand the activation.
     gate = np.empty((n, inner), np.float32)
@@ -214,10 +217,11 @@ def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_
         up[e] = gate_up[2 * e + 1, 0, :inner]
     h = np.empty((n, inner), np.float32)
     _activate_rows(gate, up, use_situ, beta, linear_beta, h)
-    down = np.empty((n, 1, ROWS * down_table[:, 2].max()), np.float32)
-    _q_products(h, np.arange(n), down_table, down_tscales, down_first, down_qs, down_scales, down_qs_b,
+    down = np.empty((n, 1, ROWS * column_max(down_table, 2)), np.float32)
+    _q_products(h, row_ids(n), down_table, down_tscales, down_first, down_qs, down_scales, down_qs_b,
                 down_scales_b, down)
-    outs[:, :] = down[:, 0, :out]
+    for e in range(n):
+        outs[e] = down[e, 0, :out]
     if y.size:
         _weighted_sum(outs, weights, y)
 
@@ -279,9 +283,10 @@ _NO_WEIGHTS = np.zeros(0, np.float32)
 class ExpertTables:
     """A MoE layer's routed experts (by id) and its shared experts (row E) as rows of the tables
     `_gated_one_token` (q formats) or `_dense_gated_one_token` (f32, bf16) reads, so that a
-    decode step whose experts all have rows gathers them with a few NumPy indexing operations
-    instead of building the tables per step (in the engine, between kernels that stream
-    megabytes, that Python cost 50-70 us a layer on the EPYC). Rows are added as experts are
+    decode step whose experts all have rows routes, gathers them and runs them in one kernel
+    call (`route_and_sum`) instead of building the tables per step (in the engine, between
+    kernels that stream megabytes, that Python cost 50-70 us a layer on the EPYC; routing,
+    sorting and gathering by NumPy calls, 15-20 more). Rows are added as experts are
     first handed out (`add`); the tables hold the experts, so the addresses stay valid. `usable`
     turns False for experts that do not run together (formats, shapes: `run_together`,
     `dense_together`)."""
@@ -342,32 +347,124 @@ class ExpertTables:
         self.experts[row] = expert
         self.known[row] = True
 
-    def has(self, ids: np.ndarray) -> bool:
-        """Whether every expert of ids [n] has its rows (and the tables can run them)."""
-        return self.usable and bool(self.known[ids].all())
-
-    def sum_one_token(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """gated_experts_sum_one_token(x, [experts of ids..., shared], weights) for ids [n] with
-        rows (`has`), from the tables: the same kernel on the same rows, the same bits."""
-        rows = ids if self.shared is None else np.append(ids, len(self.known) - 1)
+    def route_and_sum(self, x: np.ndarray, z: np.ndarray, router: tuple) -> tuple[np.ndarray, np.ndarray,
+                                                                                   np.ndarray, np.ndarray | None]:
+        """A decode step of the layer in one kernel call: route on x [1, hidden] (router: the
+        arguments of `route_one_token` from the weight to `biased`, as MoELayer holds them), then,
+        when every chosen expert has rows, sum the experts' outputs on z [1, in] as
+        gated_experts_sum_one_token(z, [experts in id order..., shared], their weights) does ->
+        (ids [1, k], weights [1, k], ids sorted [k], y [out] or None when an expert has no rows
+        or the tables cannot run them). The bits of routing and summing call by call."""
+        k = int(router[2])
+        ids = np.empty((1, k), np.int64)
+        weights = np.empty((1, k), np.float32)
+        rows = np.empty(k + (self.shared is not None), np.int64)
+        if not self.usable or self._kind is None:
+            route_one_token(x, *router, ids, weights)
+            return ids, weights, np.sort(ids[0]), None
         x = np.ascontiguousarray(x, np.float32)
-        weights = np.ascontiguousarray(weights, np.float32)
+        z = np.ascontiguousarray(z, np.float32)
         fmt = self._dense_format
-        if fmt is not None:
-            gu_like, down_like, inner, out = self._args
-            outs = np.empty((len(rows), out), np.float32)
+        if fmt is None:
+            gu_first, gu_likes, down_first, down_likes, inner, out = self._args
             y = np.zeros(out, np.float32)
-            _dense_gated_one_token(dense_operand(x, fmt), self.gate_up[rows].reshape(-1, 2), gu_like,
-                                   self.down[rows], down_like, inner, *self._activation, operand_mode(fmt),
-                                   operand_buffer(fmt, len(rows), inner), outs, weights, y)
-            return y
-        gu_first, gu_likes, down_first, down_likes, inner, out = self._args
-        outs = np.empty((len(rows), out), np.float32)
-        y = np.zeros(out, np.float32)
-        _gated_one_token(x, self.gate_up[rows].reshape(-1, 4), self.gate_up_tscales[rows].reshape(-1), gu_first,
-                         *gu_likes, self.down[rows], self.down_tscales[rows], down_first, *down_likes, inner,
-                         *self._activation, outs, weights, y)
-        return y
+            ran = _moe_one_token(x, z, *router, self.known, ids, weights, rows, self.gate_up, self.gate_up_tscales,
+                                 gu_first, *gu_likes, self.down, self.down_tscales, down_first, *down_likes, inner,
+                                 *self._activation, y)
+        else:
+            gu_like, down_like, inner, out = self._args
+            y = np.zeros(out, np.float32)
+            ran = _dense_moe_one_token(x, dense_operand(z, fmt), *router, self.known, ids, weights, rows,
+                                       self.gate_up, gu_like, self.down, down_like, inner, *self._activation,
+                                       operand_mode(fmt), operand_buffer(fmt, len(rows), inner), y)
+        return ids, weights, rows[:k].copy(), y if ran else None
+
+
+@kernel
+def _route_rows(x, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known, ids, weights,
+                rows, row_weights):
+    """Route one token x [1, hidden] into ids, weights [1, k] (`route_one_token`); then rows[:k]
+    = its ids ascending with row_weights [k] their weights in that order, rows[k] (when there)
+    the shared experts' row, the last of `known` [E + 1] -> whether every row is known."""
+    route_one_token(x, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, ids, weights)
+    k = ids.shape[1]
+    for i in range(k):  # insertion sort of the distinct ids, carrying their weights
+        e, w = ids[0, i], weights[0, i]
+        j = i
+        while j > 0 and rows[j - 1] > e:
+            rows[j], row_weights[j] = rows[j - 1], row_weights[j - 1]
+            j -= 1
+        rows[j], row_weights[j] = e, w
+    if rows.shape[0] > k:
+        rows[k] = known.shape[0] - 1
+    for r in rows:
+        if not known[r]:
+            return False
+    return True
+
+
+@kernel
+def _gather_rows(rows, gate_up, down):
+    """The gate/up table [2n, W] (rows 2i, 2i + 1: gate and up of rows[i]) and the down table
+    [n, W] of the n rows, from ExpertTables' gate_up [E + 1, 2, W] and down [E + 1, W]."""
+    n, width = rows.shape[0], down.shape[1]
+    gu = np.empty((2 * n, width), np.int64)
+    dn = np.empty((n, width), np.int64)
+    for i in range(n):
+        for c in range(width):
+            gu[2 * i, c] = gate_up[rows[i], 0, c]
+            gu[2 * i + 1, c] = gate_up[rows[i], 1, c]
+            dn[i, c] = down[rows[i], c]
+    return gu, dn
+
+
+@kernel
+def _gather_tscales(rows, gate_up_tscales, down_tscales):
+    """The tensor scales [2n] and [n] of _gather_rows' tables."""
+    n = rows.shape[0]
+    gu = np.empty(2 * n, np.float32)
+    dn = np.empty(n, np.float32)
+    for i in range(n):
+        gu[2 * i] = gate_up_tscales[rows[i], 0]
+        gu[2 * i + 1] = gate_up_tscales[rows[i], 1]
+        dn[i] = down_tscales[rows[i]]
+    return gu, dn
+
+
+@kernel
+def _moe_one_token(x, z, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known, ids,
+                   weights, rows, gate_up, gate_up_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b, down,
+                   down_tscales, down_first, down_qs, down_scales, down_qs_b, down_scales_b, inner, use_situ, beta,
+                   linear_beta, y):
+    """ExpertTables.route_and_sum for q experts: route (`_route_rows`), then, if every row is
+    known, y += the experts' weighted sum (`_gated_one_token` on the gathered rows) -> whether it ran."""
+    row_weights = np.empty(ids.shape[1], np.float32)
+    if not _route_rows(x, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known, ids,
+                       weights, rows, row_weights):
+        return False
+    gu, dn = _gather_rows(rows, gate_up, down)
+    gu_tscales, dn_tscales = _gather_tscales(rows, gate_up_tscales, down_tscales)
+    outs = np.empty((rows.shape[0], y.shape[0]), np.float32)
+    _gated_one_token(z, gu, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b, dn, dn_tscales, down_first,
+                     down_qs, down_scales, down_qs_b, down_scales_b, inner, use_situ, beta, linear_beta, outs,
+                     row_weights, y)
+    return True
+
+
+@kernel
+def _dense_moe_one_token(x, zs, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known,
+                         ids, weights, rows, gate_up, gu_like, down, down_like, inner, use_situ, beta, linear_beta,
+                         operand_mode, hs, y):
+    """_moe_one_token for f32 or bf16 experts (`_dense_gated_one_token`; zs: z as the tiles read it)."""
+    row_weights = np.empty(ids.shape[1], np.float32)
+    if not _route_rows(x, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known, ids,
+                       weights, rows, row_weights):
+        return False
+    gu, dn = _gather_rows(rows, gate_up, down)
+    outs = np.empty((rows.shape[0], y.shape[0]), np.float32)
+    _dense_gated_one_token(zs, gu, gu_like, dn, down_like, inner, use_situ, beta, linear_beta, operand_mode, hs, outs,
+                           row_weights, y)
+    return True
 
 
 def dense_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
@@ -394,7 +491,8 @@ def _dense_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QM
     return outs if weights is None else y
 
 
-@parallel_kernel
+# Serial: its parallel regions are those of the kernels it calls.
+@kernel
 def _dense_gated_one_token(xs, gu_table, gu_like, down_table, down_like, inner, use_situ, beta, linear_beta,
                            operand_mode, hs, outs, weights, y):
     """_gated_one_token for E f32 or bf16 experts (one format): every gate and up product (rows
@@ -403,8 +501,8 @@ def _dense_gated_one_token(xs, gu_table, gu_like, down_table, down_like, inner, 
     product in one more region; y += the weighted rows as there. Each row the bits of swiglu /
     situ_mlp, the sum those of add_weighted and += (the calls and arrays of dense_products)."""
     n, out = outs.shape
-    gate_up = np.empty((2 * n, 1, gu_table[:, 1].max()), np.float32)
-    _dense_products(xs, np.zeros(2 * n, np.int64), gu_table, gu_like, gate_up)
+    gate_up = np.empty((2 * n, 1, column_max(gu_table, 1)), np.float32)
+    _dense_products(xs, zero_ids(2 * n), gu_table, gu_like, gate_up)
     gate = np.empty((n, inner), np.float32)
     up = np.empty((n, inner), np.float32)
     for e in range(n):
@@ -413,9 +511,10 @@ def _dense_gated_one_token(xs, gu_table, gu_like, down_table, down_like, inner, 
     h = np.empty((n, inner), np.float32)
     _activate_rows(gate, up, use_situ, beta, linear_beta, h)
     _operand_into(h, hs, operand_mode)
-    down = np.empty((n, 1, down_table[:, 1].max()), np.float32)
-    _dense_products(hs, np.arange(n), down_table, down_like, down)
-    outs[:, :] = down[:, 0, :out]
+    down = np.empty((n, 1, column_max(down_table, 1)), np.float32)
+    _dense_products(hs, row_ids(n), down_table, down_like, down)
+    for e in range(n):
+        outs[e] = down[e, 0, :out]
     if y.size:
         _weighted_sum(outs, weights, y)
 

@@ -111,6 +111,15 @@ def _router_logits(x, weight, out):
             _router_row(x, weight, out, t)
 
 
+@kernel
+def route_one_token(x, weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, ids, weights):
+    """ids, weights [1, k] of one token x [1, hidden] inside a compiled caller: the logits and
+    the choice of `router_logits` and `route_checked` (the same kernels, the same bits)."""
+    logits = np.empty((1, weight.shape[0]), np.float32)
+    _router_row(x, weight, logits, 0)
+    _route(logits, bias, top_k, n_group, topk_group, renormalize, scaling, biased, ids, weights)
+
+
 def router_logits(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """x [T, hidden] @ weight [E, hidden]^T in float32 -> logits [T, E].
 
