@@ -382,11 +382,10 @@ SERIAL_TOKENS = 4  # tokens quantised serially
 SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
 
-# Row block b of Y for all tokens, in the host's tiles (int8_blocks.make_rows). Numba's cache
-# keys the kernels that call it (_q_product, _q_products, _q_spans below) on this file alone,
-# though they inline the blocks' generated code: a change to int8_blocks' lowerings must change
-# this file too, or cached kernels keep the old code (the last such change: mxfp4's nibble
-# lookup with vpermb on AVX512_VBMI hosts; then 16-token tiles on AVX-512).
+# Row block b of Y for all tokens, in the host's tiles (int8_blocks.make_rows). Numba's own
+# cache would key the kernels that call it (_q_product, _q_products, _q_spans below) on this
+# file alone, though they inline the blocks' generated code; waste.jit's cache directory, keyed
+# on every source of the package, is what recompiles them when int8_blocks changes.
 _rows = make_rows(ISA)
 
 
