@@ -381,6 +381,13 @@ def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
 SERIAL_TOKENS = 4  # tokens quantised serially
 SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 
+# Groups of codes a one-token work item covers at least (_q_product, _q_products): a matrix of
+# fewer groups per row takes several row blocks per item. Against one block per item, measured
+# interleaved in one process (random matrices of 256-512 from DRAM, 2 threads, EPYC, median):
+# MoE down products (1024 x 256) q4g 39.4 -> 33.9 us, q8g 55.6 -> 49.1; KDA's rank-128 products
+# 10.7 -> 9.5; 1024-wide ones 2-3% (two blocks an item); 128 groups as 64.
+ITEM_GROUPS = 64
+
 
 # Row block b of Y for all tokens, in the host's tiles (int8_blocks.make_rows). Numba's own
 # cache would key the kernels that call it (_q_product, _q_products, _q_spans below) on this
@@ -414,11 +421,17 @@ def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
             else:
                 _rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
     else:
-        for i in prange(NA + qb.shape[0]):
-            if i < NA:
-                _rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+        # One token: work items of several row blocks (ITEM_GROUPS); a chunk's blocks are work enough.
+        per = max(1, ITEM_GROUPS // G) if T == 1 else 1
+        items_a = (NA + per - 1) // per
+        for i in prange(items_a + (qb.shape[0] + per - 1) // per):
+            if i < items_a:
+                for b in range(i * per, min(NA, i * per + per)):
+                    _rows(qa, sa, xq, xsum, xs, Ya, ta[0], b)
             else:
-                _rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
+                for b in range((i - items_a) * per, min(qb.shape[0], (i - items_a) * per + per)):
+                    _rows(qb, sb, xq, xsum, xs, Yb, tb[0], b)
+
 
 
 @parallel_kernel
@@ -450,50 +463,55 @@ def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, lik
     # first. Each format's items run in a loop of their own: a branch on the format inside one
     # loop measured 25% slower (16 q4g 256 x 1024 matrices, one token, one thread: 108 against
     # 87 us), the inlined kernels no longer specialised.
+    per = max(1, ITEM_GROUPS // G)  # row blocks per work item
     items = 0
     first = 0
     code_bytes = 0
     for m in range(M):
-        items += table[m, 2]
+        n = (table[m, 2] + per - 1) // per
+        items += n
         if table[m, 3] == first_format:
-            first += table[m, 2]
+            first += n
             code_bytes += table[m, 2] * G * like_qs.shape[2]
         else:
             code_bytes += table[m, 2] * G * like_qs_b.shape[2]
     item_matrix = np.empty(items, np.int64)
-    item_block = np.empty(items, np.int64)
+    item_block = np.empty(items, np.int64)  # the item's first row block
     i = 0
     for pass_ in range(2):
         for m in range(M):
             if (table[m, 3] == first_format) == (pass_ == 0):
-                for b in range(table[m, 2]):
+                for b in range(0, table[m, 2], per):
                     item_matrix[i] = m
                     item_block[i] = b
                     i += 1
     if code_bytes <= SERIAL_BYTES:
         for i in range(first):
-            _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i])
+            _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i],
+                         per)
         for i in range(first, items):
             _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[i],
-                         item_block[i])
+                         item_block[i], per)
         return
     for i in prange(first):
-        _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i])
+        _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i], per)
     if first < items:
         for i in prange(first, items):
             _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[i],
-                         item_block[i])
+                         item_block[i], per)
 
 
 @kernel
-def _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, m, b):
-    """Row block b of matrix m of _q_products, its format given by like_qs and like_scales."""
+def _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, m, b0, blocks):
+    """Row blocks b0 .. b0 + blocks - 1 (those the matrix has) of matrix m of _q_products, its
+    format given by like_qs and like_scales."""
     NB = table[m, 2]
     G = like_qs.shape[1]
     qs = numba.carray(pointer(table[m, 0], like_qs), (NB, G, like_qs.shape[2]))
     scales = numba.carray(pointer(table[m, 1], like_scales), (NB, G, ROWS))
     r = rows[m]
-    _rows(qs, scales, xq[r:r + 1], xsum[r:r + 1], xs[r:r + 1], Y[m], tscales[m], b)
+    for b in range(b0, min(NB, b0 + blocks)):
+        _rows(qs, scales, xq[r:r + 1], xsum[r:r + 1], xs[r:r + 1], Y[m], tscales[m], b)
 
 
 @parallel_kernel
