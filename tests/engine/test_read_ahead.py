@@ -253,3 +253,31 @@ def test_decode_guesses_only_where_they_can_help(q4) -> None:
             model.decode(session, 5)
             assert bool(guessed) == expected[name], name
             store.close()
+
+
+def test_an_advised_map_guesses_when_the_tables_run_the_step(q4) -> None:
+    """A decode step whose experts all have rows in the layer's tables runs in one call
+    (`ExpertTables.route_and_sum`); an advised map's guesses still go out for every MoE layer
+    followed by another, GUESS_LAYERS of them each (capped at the last layer), and only after
+    the layer's experts are counted."""
+    with open_container(q4) as c:
+        store = MmapExpertStore(c, advise_guesses=True)
+        model = Model(c, store=store)
+        moe = list(c.config.moe_layers)
+        for i in moe:  # every expert gets rows before the step
+            tables = model.ffn[i]._tables_for(store, model.ffn[i].shared)
+            for e in range(c.config.num_experts):
+                tables.add(e, store.get(i, [e])[0])
+        events = []
+        count_request = store.count_request
+        store.count_request = lambda layer, ids: (events.append(("count", layer)), count_request(layer, ids))
+        store.guess = lambda layer, ids: events.append(("guess", layer))  # type: ignore[method-assign]
+        session = model.new_session(4)
+        model.prefill(session, PROMPT[:2])
+        events.clear()
+        model.decode(session, 5)
+    expected = []
+    for n, layer in enumerate(moe):
+        expected.append(("count", layer))
+        expected += [("guess", later) for later in moe[n + 1:n + 1 + GUESS_LAYERS]]
+    assert events == expected

@@ -17,8 +17,7 @@ weighted sum when all are ready, `gated_experts_sum_one_token`), and each later 
 arrives. A store that maps every expert (`maps_every_expert`: the memory map) is asked only to
 count a decode step's request once the layer holds the step's experts as rows of that call's
 tables (`waste.kernels.moe.ExpertTables`, filled as experts first come through `fetch`): the
-step then routes and runs its experts in one kernel call (`ExpertTables.route_and_sum`), unless
-a guess of the next layers' experts waits on its request (`then`).
+step then routes and runs its experts in one kernel call (`ExpertTables.route_and_sum`).
 
 Every MLP here (dense, shared and routed experts) is gated: down(act(gate x, up x)), with
 act = SiLU(g) * u (SwiGLU, `hidden_act` "silu") or SiTU (K3, "situ"; see `waste.kernels.moe`).
@@ -204,13 +203,16 @@ class MoELayer:
         width) -> (weighted sum of the expert outputs [T, in], RoutingInfo); each unique expert
         fetched once. The `shared` experts, if given, run on z while the routed ones are read;
         their output is added after the routed sum. `then` is called once the store has the
-        request (its reads are issued): the model guesses the next layer's experts there."""
+        request (its reads are issued; for a store that maps every expert, once the step ran):
+        the model guesses the next layer's experts there."""
         tables = self._tables_for(store, shared) if z.shape[0] == 1 else None
-        if tables is not None and then is None:
+        if tables is not None:
             # Routing and, when every expert has rows, the experts too, in one call.
             ids, weights, unique, y = tables.route_and_sum(x, z, self._router_args)
             if y is not None:
                 store.count_request(self.layer_index, unique)  # type: ignore[attr-defined]
+                if then is not None:  # a map reads nothing itself: its guesses only advise the kernel, late is fine
+                    then()
                 return y[None, :], RoutingInfo(ids, weights, unique, ids.size / len(unique))
         else:
             ids, weights = self.route(x)
