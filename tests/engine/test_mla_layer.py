@@ -138,10 +138,42 @@ def test_decode_probabilities_match_reference() -> None:
     assert_close(seen["probs"], probs[0], RTOL)
 
 
-def test_capacity_overflow_names_the_capacity() -> None:
+@pytest.mark.parametrize("fmt", ["q8g", "q4g"])
+def test_decode_step_in_one_call_equals_call_by_call(fmt: str) -> None:
+    """A plain-query layer of q products decodes in one kernel call (waste.kernels.mla_step):
+    outputs, cache rows and attention weights bit for bit those of the call-by-call step, across
+    the context length where the attention's token ranges go from one to two (DECODE_RANGE)."""
+    cfg = _config("kimi_linear")
+    rng = np.random.default_rng(8)
+    w = _weights(cfg, rng)
+    fused, by_call = _layer(cfg, w, fmt), _layer(cfg, w, fmt)
+    assert fused._step_args is not None
+    by_call._step_args = None
+    caches = [layer.new_cache(300) for layer in (fused, by_call)]
+    prompt = rng.standard_normal((250, cfg.hidden_size)).astype(np.float32)
+    for layer, cache in zip((fused, by_call), caches, strict=True):
+        layer.prefill(prompt, cache)
+    for _ in range(10):
+        x = rng.standard_normal(cfg.hidden_size).astype(np.float32)
+        ys = [layer.decode(x, cache) for layer, cache in zip((fused, by_call), caches, strict=True)]
+        np.testing.assert_array_equal(ys[0], ys[1])
+        np.testing.assert_array_equal(fused.attention_weights_last, by_call.attention_weights_last)
+    assert caches[0].length == caches[1].length == 260
+    np.testing.assert_array_equal(caches[0].latent, caches[1].latent)
+    with pytest.raises(WasteError, match="MLA decode input must have"):
+        fused.decode(np.zeros(cfg.hidden_size + 1, np.float32), caches[0])
+    assert caches[0].length == 260
+    # The other forms decode call by call.
+    assert _layer(cfg, w)._step_args is None  # float weights
+    k3 = _config("k3")
+    assert _layer(k3, _weights(k3, rng), fmt)._step_args is None  # low-rank query, output gate
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8g"])
+def test_capacity_overflow_names_the_capacity(fmt: str) -> None:
     cfg = _config("kimi_linear")
     rng = np.random.default_rng(5)
-    layer = _layer(cfg, _weights(cfg, rng))
+    layer = _layer(cfg, _weights(cfg, rng), fmt)
     cache = layer.new_cache(4)
     x = rng.standard_normal((3, cfg.hidden_size)).astype(np.float32)
     layer.prefill(x, cache)

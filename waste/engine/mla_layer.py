@@ -27,9 +27,10 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
-from waste.kernels.mla import heads_dot, heads_times, mla_decode, mla_prefill
+from waste.kernels.mla import DECODE_BLOCK, DECODE_RANGE, DECODE_RANGES, heads_dot, heads_times, mla_decode, mla_prefill
+from waste.kernels.mla_step import mla_decode_step
 from waste.kernels.norm import rms_norm
-from waste.kernels.quant import QMatrix
+from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, batchable
 
 GetMatrix = Callable[[str], QMatrix]
 GetTensor = Callable[[str], np.ndarray]
@@ -91,6 +92,19 @@ class MLALayer:
         self.w_uk = np.ascontiguousarray(w[:, : self.nope, :])  # [H, nope, R]: latent -> key, q_nope -> latent
         self.w_uv = np.ascontiguousarray(w[:, self.nope :, :])  # [H, V, R]: latent -> value
         self.attention_weights_last: np.ndarray | None = None  # [H, ctx] of the last decode
+        # A plain query and no output gate, every product in a q format: the whole decode step
+        # is one call (waste.kernels.mla_step), with these arguments that do not change.
+        self._step_args: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+        if (q_proj is not None and g_proj is None and batchable([q_proj, kv_a_proj])
+                and o_proj.fmt in Q_FORMATS):
+            batch = QBatch([q_proj, kv_a_proj])
+            qs, scales, tscale, _, no_qs, no_scales = o_proj._qargs  # type: ignore[attr-defined]
+            self._step_args = (
+                (np.zeros(2, np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes,
+                 np.ascontiguousarray(kv_a_norm, np.float32), np.float32(self.eps), self.w_uk, self.w_uv),
+                (qs, scales, tscale, no_qs, no_scales),
+            )
+            self._step_batch = batch  # holds the products' matrices: the table has their addresses
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, get_matrix: GetMatrix, get_tensor: GetTensor, prefix: str) -> MLALayer:
@@ -173,13 +187,18 @@ class MLALayer:
             o = o * _sigmoid(self.g_proj.matmul(x))
         return self.o_proj.matmul(np.ascontiguousarray(o, np.float32))
 
-    def _append(self, x: np.ndarray, cache: MLACache) -> int:
-        T = x.shape[0]
+    def _reserve(self, T: int, cache: MLACache) -> int:
+        """Room for T new rows at the cache's end -> their first row (the cache's old length)."""
         start = cache.length
         if start + T > cache.capacity:
             raise WasteError(
                 f"MLA cache capacity {cache.capacity} tokens exceeded: {start} cached + {T} new tokens"
             )
+        return start
+
+    def _append(self, x: np.ndarray, cache: MLACache) -> int:
+        T = x.shape[0]
+        start = self._reserve(T, cache)
         cache.latent[start : start + T] = self._latents(x)
         cache.length = start + T
         return start
@@ -199,11 +218,33 @@ class MLALayer:
     def decode(self, x: np.ndarray, cache: MLACache) -> np.ndarray:
         """One token: append its latent and attend over the whole cache, x [hidden] -> y [hidden]."""
         x = np.ascontiguousarray(x, np.float32).reshape(1, -1)
+        if self._step_args is not None:
+            return self._decode_step(x, cache)
         q_abs = self._absorbed_queries(x)[0]
         self._append(x, cache)
         o_lat, probs = mla_decode(q_abs, cache.latent, cache.length, self.scale, self.R)
         self.attention_weights_last = probs
         return self._output(x, heads_dot(o_lat[None], self.w_uv))[0]
+
+    def _decode_step(self, x: np.ndarray, cache: MLACache) -> np.ndarray:
+        """`decode` in one kernel call (`mla_decode_step`): the same kernels, the same bits."""
+        hidden = self.o_proj.shape[0]
+        if x.shape[1] != self.q_proj.shape[1]:  # type: ignore[union-attr]
+            raise WasteError(f"MLA decode input must have {self.q_proj.shape[1]} values, "  # type: ignore[union-attr]
+                             f"got {x.shape[1]}")
+        latent = cache.latent  # the kernel indexes it unchecked
+        if latent.dtype != np.float32 or latent.shape[1] != self.latent_size or not latent.flags.c_contiguous:
+            raise WasteError(f"MLA cache must be C-contiguous float32 [capacity, {self.latent_size}], got "
+                             f"{latent.dtype} {latent.shape}")
+        n = self._reserve(1, cache) + 1
+        before, output = self._step_args  # type: ignore[misc]
+        probs = np.empty((self.H, n), np.float32)
+        y = np.empty((1, self.o_proj._qargs[3]), np.float32)  # type: ignore[attr-defined]  # rows padded to 16
+        mla_decode_step(x, *before, latent, n, np.float32(self.scale), min(DECODE_RANGES, -(-n // DECODE_RANGE)),
+                        DECODE_BLOCK, *output, probs, y)
+        cache.length = n
+        self.attention_weights_last = probs
+        return y[0, :hidden]
 
     def inspect_decode(self, x: np.ndarray, cache: MLACache) -> dict[str, np.ndarray]:
         """Decode one token on a copy of the cache (the cache is left unchanged).

@@ -1,0 +1,72 @@
+"""One MLA decode step in one kernel call, for a layer whose products are q formats.
+
+An MLA decode step (waste.engine.mla_layer.MLALayer.decode) makes seven kernel calls (the query
+and latent products, the latent's RMSNorm, W_UK into the query, the attention over the cache,
+W_UV out of the attended latent, the output product) with NumPy between them; on `mini` that
+Python took about as long as the calls themselves. `mla_decode_step` makes the same calls, on
+arrays of the same types, inside one compiled function (the query and latent products in one
+batch, bit for bit the two products: `QBatch`): the bits of the step made call by call, which
+the layer keeps for the other forms (a low-rank query, the output gate, float weights; the
+tests compare the two).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from waste.jit import kernel
+from waste.kernels.mla import _decode, _heads_dot, _heads_times
+from waste.kernels.norm import _rms_norm_rows
+from waste.kernels.quant import _q_product, _q_products
+from waste.kernels.serial import column_max
+from waste.qformat import ROWS
+
+
+# Serial: its parallel regions are those of the kernels it calls.
+@kernel
+def mla_decode_step(x, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, kv_norm,
+                    eps, w_uk, w_uv, latent, length, scale, nchunks, block, o_qs, o_scales, o_tscale, o_no_qs,
+                    o_no_scales, probs, y):
+    """One token x [1, hidden] through an MLA layer -> y [1, padded hidden] (the output product's
+    rows, padded to 16) and probs [H, length], the attention weights. Row length - 1 of latent
+    [capacity, R + P] (the cache, already holding the tokens before it) receives the token's
+    normalised latent and rope part.
+
+    rows, table .. like_scales_b: the QBatch of q_proj (row 0) and kv_a_proj (row 1), both on x;
+    kv_norm [R], eps float32: kv_a_layernorm; w_uk [H, nope, R], w_uv [H, V, R]; scale float32,
+    nchunks and block: `mla_decode`'s; o_*: o_proj's q arguments (QMatrix._qargs)."""
+    H, nope, R = w_uk.shape
+    D = latent.shape[1]
+    rope = D - R
+    products = np.empty((table.shape[0], 1, ROWS * column_max(table, 2)), np.float32)
+    _q_products(x, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, products)
+    # The cache row: the normalised latent, then the rope part of the key.
+    ckv = np.empty((1, R), np.float32)
+    for r in range(R):
+        ckv[0, r] = products[1, 0, r]
+    normed = np.empty((1, R), np.float32)
+    _rms_norm_rows(ckv, kv_norm, eps, normed)
+    row = length - 1
+    for r in range(R):
+        latent[row, r] = normed[0, r]
+    for r in range(R, D):
+        latent[row, r] = products[1, 0, r]
+    # Absorbed queries [H, R + P]: W_UK^T q_nope per head, then q_rope.
+    width = nope + rope
+    q_nope = np.empty((1, H, nope), np.float32)
+    q_abs = np.empty((H, D), np.float32)
+    for h in range(H):
+        for d in range(nope):
+            q_nope[0, h, d] = products[0, 0, h * width + d]
+        for d in range(rope):
+            q_abs[h, R + d] = products[0, 0, h * width + nope + d]
+    absorbed = np.empty((1, H, R), np.float32)
+    _heads_times(q_nope, w_uk, absorbed)
+    for h in range(H):
+        for r in range(R):
+            q_abs[h, r] = absorbed[0, h, r]
+    o_latent = np.empty((H, R), np.float32)
+    _decode(q_abs, latent, length, scale, R, nchunks, block, probs, o_latent)
+    heads = np.empty((1, H, w_uv.shape[1]), np.float32)
+    _heads_dot(o_latent.reshape((1, H, R)), w_uv, heads)
+    _q_product(heads.reshape((1, H * w_uv.shape[1])), o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, o_tscale, y, y)
