@@ -43,7 +43,7 @@ import numpy as np
 from common import at_threads, best_seconds, cycle, machine_info, rotation, thread_counts, write_json
 
 from waste.jit import parallel_kernel, prange
-from waste.kernels import int8_blocks
+from waste.kernels import activations, int8_blocks
 from waste.kernels import quant as qk
 from waste.kernels.int8_blocks import ISA
 from waste.qformat import BLOCK_BYTES, GROUP, QMAX, ROWS, SCALE_EXPONENT, bits_per_weight
@@ -433,7 +433,7 @@ def _lowering_product(isa: str) -> Callable[..., None]:
         xsum = np.empty((T, G), np.int32)
         xs = np.empty((T, G), np.float32)
         for t in prange(T):
-            qk._quantize_token(X, t, xq, xsum, xs)
+            activations._quantize_token(X, t, xq, xsum, xs)
         for b in prange(qs.shape[0]):
             rows(qs, scales, xq, xsum, xs, Y, tscale[0], b)
 

@@ -25,7 +25,7 @@ from conftest import max_rel_err
 
 from waste.errors import WasteError
 from waste.jit import kernel
-from waste.kernels import int8_blocks, mxfp4
+from waste.kernels import activations, int8_blocks, mxfp4
 from waste.kernels import quant as qk
 from waste.kernels.quant import QMatrix, from_buffers, quantize
 from waste.qformat import FORMATS, QMAX, bits_per_weight, buffer_layout
@@ -97,7 +97,7 @@ def test_activation_codes_match_reference() -> None:
     xq = np.full((T, G * 32), 99, np.int8)
     xsum = np.full((T, G), -7, np.int32)
     xs = np.full((T, G), np.nan, np.float32)
-    qk.quantize_activations(X, xq, xsum, xs)
+    activations.quantize_activations(X, xq, xsum, xs)
     codes, scales = ref.reference_quantize_activation(X)
     np.testing.assert_array_equal(xq.reshape(T, G, 32), codes)
     np.testing.assert_array_equal(xsum, codes.sum(axis=-1))
@@ -165,7 +165,7 @@ def test_every_lowering_gives_the_same_bits(fmt: str, isa: str) -> None:
     X = rng.standard_normal((T, K)).astype(np.float32)
     G = -(-K // 32)
     xq, xsum, xs = np.empty((T, G * 32), np.int8), np.empty((T, G), np.int32), np.empty((T, G), np.float32)
-    qk.quantize_activations(X, xq, xsum, xs)
+    activations.quantize_activations(X, xq, xsum, xs)
     Y = np.full((T, 48), np.nan, np.float32)
     qs, scales, tscale = m._qargs[:3]  # the kernels' arguments (for mxfp4, its repacked copy)
     _driver(isa)(qs, scales, tscale, xq, xsum, xs, Y)
@@ -367,8 +367,9 @@ def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int
     Y_nan = np.full((M, 1, batch.width), np.nan, np.float32)
     qk._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan)
     Y_spans = np.full((M, batch.width), np.nan, np.float32)
-    qk._q_spans(*qk.quantized_activations(X, batch.likes[0].shape[1]), rows.astype(np.int64), np.ones(M, np.int64),
-                np.arange(M), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_spans, 2)
+    quantized = activations.quantized_activations(X, batch.likes[0].shape[1])
+    qk._q_spans(*quantized, rows.astype(np.int64), np.ones(M, np.int64), np.arange(M), batch.table, batch.tscales,
+                batch.first_format, *batch.likes, Y_spans, 2)
     for m, w in enumerate(ms):
         for out in (Y_nan[m, 0], Y_spans[m]):
             np.testing.assert_array_equal(out[:w.shape[0]], Y[m, :w.shape[0]])
@@ -393,8 +394,9 @@ def test_q_spans_equal_each_matrix_on_its_rows(fmts: tuple[str, ...], threads: i
     out_rows = sum(counts) + 4
     batch = qk.QBatch(ms)
     Y = np.full((out_rows, batch.width), np.nan, np.float32)
-    qk._q_spans(*qk.quantized_activations(X, batch.likes[0].shape[1]), np.array(x_start), np.array(counts), y_start,
-                batch.table, batch.tscales, batch.first_format, *batch.likes, Y, threads)
+    quantized = activations.quantized_activations(X, batch.likes[0].shape[1])
+    qk._q_spans(*quantized, np.array(x_start), np.array(counts), y_start, batch.table, batch.tscales,
+                batch.first_format, *batch.likes, Y, threads)
     written = np.zeros(Y.shape, bool)
     for m, w in enumerate(ms):
         a, n, b = x_start[m], counts[m], y_start[m]

@@ -63,7 +63,7 @@ _MXFP4_LUT = [int(v) + CODE_OFFSET["mxfp4"] for v in mxfp4.E2M1_TWICE]
 # Formats whose unsigned codes are small enough for vpmaddubsw, and their largest code.
 CODE_MAX = {"q4g": 15, "mxfp4": max(_MXFP4_LUT)}
 SMALL_CODES = tuple(CODE_MAX)
-ACT_MAX = 127  # activation codes lie in [-127, 127] (quant._quantize_token clamps them)
+ACT_MAX = 127  # activation codes lie in [-127, 127] (activations._quantize_token clamps them)
 INT16_MAX = 32767
 # vpmaddubsw sums two products of a code and an activation into one int16 lane, at most
 # 2 x CODE_MAX x 127 in magnitude (q4g 3810, mxfp4 6096), so it never saturates; vpaddw can
