@@ -27,7 +27,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
-from waste.kernels.mla import DECODE_BLOCK, DECODE_RANGE, DECODE_RANGES, heads_dot, heads_times, mla_decode, mla_prefill
+from waste.kernels.mla import DECODE_BLOCK, decode_ranges, heads_dot, heads_times, mla_decode, mla_prefill
 from waste.kernels.mla_step import mla_decode_step
 from waste.kernels.norm import rms_norm
 from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, batchable
@@ -240,8 +240,8 @@ class MLALayer:
         before, output = self._step_args  # type: ignore[misc]
         probs = np.empty((self.H, n), np.float32)
         y = np.empty((1, self.o_proj._qargs[3]), np.float32)  # type: ignore[attr-defined]  # rows padded to 16
-        mla_decode_step(x, *before, latent, n, np.float32(self.scale), min(DECODE_RANGES, -(-n // DECODE_RANGE)),
-                        DECODE_BLOCK, *output, probs, y)
+        mla_decode_step(x, *before, latent, n, np.float32(self.scale), decode_ranges(n), DECODE_BLOCK, *output, probs,
+                        y)
         cache.length = n
         self.attention_weights_last = probs
         return y[0, :hidden]

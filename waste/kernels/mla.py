@@ -415,6 +415,11 @@ def _check_latent(latent: np.ndarray, q_width: int, kv_rank: int) -> None:
         raise WasteError(f"MLA kv_rank {kv_rank} must lie in 1..{q_width}")
 
 
+def decode_ranges(length: int) -> int:
+    """The token ranges decode sums the weighted latents of `length` cached rows in."""
+    return min(DECODE_RANGES, -(-length // DECODE_RANGE))
+
+
 def mla_decode(
     q_abs: np.ndarray,
     latent: np.ndarray,
@@ -440,8 +445,7 @@ def mla_decode(
         probs = np.empty((H, length), np.float32)
     if out.shape != (H, kv_rank) or probs.shape != (H, length):
         raise WasteError(f"MLA decode buffers must be [H, R] = {(H, kv_rank)} and [H, n] = {(H, length)}")
-    nchunks = min(DECODE_RANGES, -(-length // DECODE_RANGE))
-    _decode(q_abs, latent, length, np.float32(scale), kv_rank, nchunks, DECODE_BLOCK, probs, out)
+    _decode(q_abs, latent, length, np.float32(scale), kv_rank, decode_ranges(length), DECODE_BLOCK, probs, out)
     return out, probs
 
 

@@ -358,11 +358,11 @@ class ExpertTables:
         k = int(router[2])
         ids = np.empty((1, k), np.int64)
         weights = np.empty((1, k), np.float32)
-        rows = np.empty(k + (self.shared is not None), np.int64)
+        x = np.ascontiguousarray(x, np.float32)
         if not self.usable or self._kind is None:
             route_one_token(x, *router, ids, weights)
             return ids, weights, np.sort(ids[0]), None
-        x = np.ascontiguousarray(x, np.float32)
+        rows = np.empty(k + (self.shared is not None), np.int64)
         z = np.ascontiguousarray(z, np.float32)
         fmt = self._dense_format
         if fmt is None:
