@@ -50,7 +50,7 @@ from waste.kernels.activations import _quantize_token, quantized_activations
 from waste.kernels.bf16 import bf16_matmul, f32_matmul
 from waste.kernels.int8_blocks import ISA, make_rows
 from waste.kernels.pointers import pointer
-from waste.kernels.quantize import quantize_grouped
+from waste.kernels.quantize import _f16_value, quantize_grouped
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
 
 Q_FORMATS = ("q8g", "q4g", "mxfp4")  # the formats of the integer products
@@ -145,17 +145,41 @@ class QMatrix:
             return _bf16_to_f32(self.buffers["w"][ids])
         if self.fmt == "mxfp4":
             return mxfp4.dequantize_mxfp4(self.buffers["packed"][ids], self.buffers["scales"][ids])
-        b, r = ids // ROWS, ids % ROWS
-        qs = self.buffers["qs"]
-        nb, g = qs.shape[0], qs.shape[1]
-        if self.fmt == "q8g":
-            codes = qs.reshape(nb, g, GROUP // 4, ROWS, 4)[b, :, :, r, :].reshape(len(ids), g, GROUP)
-            codes = codes.astype(np.float32)
-        else:
-            packed = qs.reshape(nb, g, GROUP // 8, ROWS, 4)[b, :, :, r, :].reshape(len(ids), g, GROUP // 2)
-            codes = np.concatenate([packed & 15, packed >> 4], axis=-1).astype(np.float32) - CODE_OFFSET["q4g"]
-        scale = self.buffers["scales"][b, :, r].astype(np.float32) * self.buffers["tscale"][0]  # [L, G], exact
-        return np.ascontiguousarray((codes * scale[:, :, None]).reshape(len(ids), g * GROUP)[:, :k])
+        out = np.empty((len(ids), k), np.float32)
+        qs, scales, tscale = self._qargs[:3]  # type: ignore[attr-defined]
+        _take_q_rows(qs, scales, tscale[0], ids.astype(np.int64), out)
+        return out
+
+
+Q4_BLOCK_BYTES = BLOCK_BYTES["q4g"]
+CODE_OFFSET_Q4 = CODE_OFFSET["q4g"]
+
+
+@kernel(fastmath=False)
+def _take_q_rows(qs, scales, tscale, ids, out):
+    """out [L, K] = rows ids [L] of a q8g (int8 codes) or q4g (uint8, two a byte) matrix: each
+    code times its group's scale times tscale, in float32 (scale x tscale is exact: tscale is a
+    power of two). One call with no temporaries: in a decode step's embedding lookup NumPy's
+    gathers took 64-80 us (docs/QUANT.md), the row's codes spread over the 16-row interleave."""
+    K = out.shape[1]
+    G = qs.shape[1]
+    four_bit = qs.shape[2] == Q4_BLOCK_BYTES
+    for i in range(ids.shape[0]):
+        b, r = ids[i] // ROWS, ids[i] % ROWS
+        for g in range(G):
+            scale = np.float32(_f16_value(np.int64(scales[b, g, r]))) * tscale
+            for k in range(GROUP):
+                col = g * GROUP + k
+                if col >= K:
+                    break
+                # Element k = 4c + j sits at byte 64c + 4r + j of the group (q4g: the low nibble
+                # for k < 16, the high nibble of element k - 16 above).
+                if four_bit:
+                    byte = np.int32(qs[b, g, 64 * ((k % 16) // 4) + 4 * r + k % 4])
+                    code = ((byte >> 4) if k >= 16 else (byte & 15)) - CODE_OFFSET_Q4
+                else:
+                    code = np.int32(qs[b, g, 64 * (k // 4) + 4 * r + k % 4])
+                out[i, col] = np.float32(code) * scale
 
 
 def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.ndarray]:
