@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from waste.errors import WasteError
-from waste.kernels.norm import all_finite, rms_norm
+from waste.kernels.norm import add_check_norm, all_finite, rms_norm
 from waste.reference.mla import rms_norm as reference_rms_norm
 
 
@@ -51,3 +51,27 @@ def test_all_finite_finds_every_non_finite_value() -> None:
             y[where] = bad
             assert not all_finite(y)
             assert all_finite(y[:, ::2]) == (where[1] % 2 == 1)  # a view holds the even columns only
+
+
+@pytest.mark.parametrize("T, D", [(1, 1024), (3, 7), (130, 288)])  # 130: past SERIAL_ROWS
+def test_add_check_norm_is_adding_checking_and_normalising(T: int, D: int) -> None:
+    """The fused residual step gives the bits of h + delta and of rms_norm over that sum, and
+    refuses a delta with a NaN or an infinity anywhere (a NaN already in h is not its concern,
+    as check_finite looks at the layer's output only)."""
+    rng = np.random.default_rng(T + D)
+    h = (rng.standard_normal((T, D)) * 3).astype(np.float32)
+    delta = (rng.standard_normal((T, D)) * rng.choice([1e-3, 1.0, 1e3], (T, 1))).astype(np.float32)
+    w = rng.uniform(-2, 2, D).astype(np.float32)
+    done = add_check_norm(h, delta, w, 1e-6)
+    assert done is not None
+    added, normed = done
+    np.testing.assert_array_equal(added, h + delta)
+    np.testing.assert_array_equal(normed, rms_norm(h + delta, w, 1e-6))
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in ((0, 0), (T - 1, D - 1), (T // 2, D // 3)):
+            d = delta.copy()
+            d[where] = bad
+            assert add_check_norm(h, d, w, 1e-6) is None
+    h_nan = h.copy()
+    h_nan[0, 0] = np.nan
+    assert add_check_norm(h_nan, delta, w, 1e-6) is not None

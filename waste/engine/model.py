@@ -75,6 +75,16 @@ def check_finite(x: np.ndarray, where: str, positions: np.ndarray) -> None:
                          "the container's weights (or the session) produce them")
 
 
+def _added_normed(stream: PlainResidual, delta: np.ndarray, weight: np.ndarray, eps: float, where: str,
+                  positions: np.ndarray) -> np.ndarray:
+    """stream.add_normed(delta, weight, eps), raising NonFiniteError as check_finite does."""
+    x = stream.add_normed(delta, weight, eps)
+    if x is None:
+        check_finite(delta, where, positions)
+        raise AssertionError("add_normed found a non-finite value that check_finite did not")
+    return x
+
+
 @contextmanager
 def _checked_experts(store: ExpertStore) -> Iterator[None]:
     """Wait for the checks of the experts a step used when it ends; when it fails, a failed
@@ -190,14 +200,20 @@ class Model:
         """Run the embedding h [T, hidden] through every layer, layer-major -> what the final norm
         reads; KDA takes `chunk` rows at a time (in order, so its state carries over), MLA and the
         FFN all T rows at once. T == 1 with phase 'decode' uses the decode paths."""
-        cfg, times = self.config, self.times
+        cfg, times, eps = self.config, self.times, self.config.rms_norm_eps
         decode = phase == "decode"
         stream = PlainResidual(h) if self.attn_res is None else AttnResResidual(self.attn_res, h)
+        # A plain stream adds each output and normalises the next input in one call (add_normed):
+        # no observer sees anything between the two.
+        plain = isinstance(stream, PlainResidual)
+        last = len(cfg.layer_kinds) - 1
+        x = None  # layer i's normed attention input, when the step before made it
         for i, kind in enumerate(cfg.layer_kinds):
             t0 = time.perf_counter()
-            attn_in = stream.attn_input(i, positions, observer)
-            t0 = times.add("attn_res", t0)
-            x = rms_norm(attn_in, self.input_norms[i], cfg.rms_norm_eps)
+            if x is None:
+                attn_in = stream.attn_input(i, positions, observer)
+                t0 = times.add("attn_res", t0)
+                x = rms_norm(attn_in, self.input_norms[i], eps)
             state = session.kda[i] if kind == "kda" else session.mla[i]
             if decode:
                 a = self.attn[i].decode(x[0], state)[None, :]
@@ -208,12 +224,17 @@ class Model:
                 a = np.empty_like(x)
                 for start in range(0, x.shape[0], chunk):
                     a[start:start + chunk] = self.attn[i].prefill(x[start:start + chunk], state)
-            stream.add(a)
-            check_finite(a, f"layer {i} ({kind} attention)", positions)
-            t0 = times.add(kind, t0)
-            ffn_in = stream.ffn_input(i, positions, observer)
-            t0 = times.add("attn_res", t0)
-            x = rms_norm(ffn_in, self.post_norms[i], cfg.rms_norm_eps)
+            if plain:
+                x = _added_normed(stream, a, self.post_norms[i], eps, f"layer {i} ({kind} attention)", positions)
+                ffn_in = stream.hidden
+                t0 = times.add(kind, t0)
+            else:
+                stream.add(a)
+                check_finite(a, f"layer {i} ({kind} attention)", positions)
+                t0 = times.add(kind, t0)
+                ffn_in = stream.ffn_input(i, positions, observer)
+                t0 = times.add("attn_res", t0)
+                x = rms_norm(ffn_in, self.post_norms[i], eps)
             ffn = self.ffn[i]
             if isinstance(ffn, MoELayer):
                 f, routing = ffn.forward(x, self.store, self._guess(i, ffn_in) if decode else None)
@@ -221,12 +242,16 @@ class Model:
                 if observer is not None:
                     hits = expand_hits(routing.ids, routing.unique, self.store.last_hits)
                     observer.on_routing(i, positions, phase, routing, hits)
-                times.add("moe", t0)
             else:
                 f = ffn.forward(x)
-                times.add("dense", t0)
-            stream.add(f)
-            check_finite(f, f"layer {i} ({'MoE' if isinstance(ffn, MoELayer) else 'dense'} FFN)", positions)
+            where = f"layer {i} ({'MoE' if isinstance(ffn, MoELayer) else 'dense'} FFN)"
+            if plain and i < last:
+                x = _added_normed(stream, f, self.input_norms[i + 1], eps, where, positions)
+            else:
+                stream.add(f)
+                check_finite(f, where, positions)
+                x = None
+            times.add("moe" if isinstance(ffn, MoELayer) else "dense", t0)
             if observer is not None:
                 observer.on_layer(i, positions, stream.hidden)
         t0 = time.perf_counter()

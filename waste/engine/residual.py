@@ -8,7 +8,8 @@ Both offer the same four steps, which the one forward driver in `waste.engine.mo
     stream.add(ffn_out)              stream.hidden: the layer's output (observers, waste check)
     h = stream.output()              what the final norm reads
 
-Plain: one h, h += every output; all three inputs are h.
+Plain: one h, h += every output; all three inputs are h. Its `add_normed` also normalises the
+next input in the same kernel call (the model's driver uses it where no observer could tell).
 
 AttnRes (depth attention over block summaries, FACTS.md "Kimi K3"): a list of stored blocks
 b_0.. and a running partial sum p (the embedding at first). Each input is a mix of the
@@ -37,6 +38,7 @@ import numpy as np
 from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.kernels.attn_res import attn_res_mix_weights
+from waste.kernels.norm import add_check_norm
 
 SITES = ("attn", "ffn", "output")
 
@@ -55,6 +57,15 @@ class PlainResidual:
 
     def add(self, delta: np.ndarray) -> None:
         self.hidden = self.hidden + delta
+
+    def add_normed(self, delta: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray | None:
+        """add(delta), then the next input's RMSNorm with `weight`, in one kernel call; None (and
+        nothing added) when delta holds a NaN or an infinity."""
+        done = add_check_norm(self.hidden, np.ascontiguousarray(delta, np.float32), weight, eps)
+        if done is None:
+            return None
+        self.hidden, normed = done
+        return normed
 
     def output(self, positions: np.ndarray, observer: Any) -> np.ndarray:
         return self.hidden
