@@ -50,7 +50,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-@parallel_kernel
+# Serial: its parallel region is _rms_norm_rows'.
+@kernel
 def _add_check_norm_rows(h, delta, weight, eps, out_h, out_x):
     """out_h = h + delta and out_x = the RMSNorm of out_h's rows times weight, all [T, D] float32
     -> whether delta is all finite: the bits of `h + delta`, `all_finite(delta)` and `rms_norm`."""
@@ -60,12 +61,7 @@ def _add_check_norm_rows(h, delta, weight, eps, out_h, out_x):
         for i in range(D):
             bad += delta[t, i] * np.float32(0.0)  # as _all_finite
             out_h[t, i] = h[t, i] + delta[t, i]
-    if T <= SERIAL_ROWS:
-        for t in range(T):
-            _rms_norm_row(out_h, weight, eps, out_x, t)
-    else:
-        for t in prange(T):
-            _rms_norm_row(out_h, weight, eps, out_x, t)
+    _rms_norm_rows(out_h, weight, eps, out_x)
     return bad == np.float32(0.0)
 
 
