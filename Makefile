@@ -37,6 +37,7 @@ bench: $(VENV)
 	$(BIN)/python bench/mla.py
 	$(BIN)/python bench/quant.py
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/streaming.py
 
 # waste against llama.cpp built from source (network, ~GBs in ~/.cache/waste-peer; not in test or CI)
