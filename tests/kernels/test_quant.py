@@ -365,7 +365,8 @@ def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int
     # Both drivers, the decode one and the spans one (one row per matrix), into NaN-filled outputs.
     batch = qk.QBatch(ms)
     Y_nan = np.full((M, 1, batch.width), np.nan, np.float32)
-    qk._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan)
+    qk._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan,
+                   2)
     Y_spans = np.full((M, batch.width), np.nan, np.float32)
     quantized = activations.quantized_activations(X, batch.likes[0].shape[1])
     qk._q_spans(*quantized, rows.astype(np.int64), np.ones(M, np.int64), np.arange(M), batch.table, batch.tscales,
@@ -374,6 +375,39 @@ def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int
         for out in (Y_nan[m, 0], Y_spans[m]):
             np.testing.assert_array_equal(out[:w.shape[0]], Y[m, :w.shape[0]])
             assert np.isfinite(out[:batch.table[m, 2] * 16]).all()
+
+
+@pytest.mark.parametrize("fmts", [("q4g", "q8g"), ("mxfp4",)])
+def test_q_products_in_parallel_equal_one_product_each_whatever_the_threads(fmts: tuple[str, ...]) -> None:
+    """Products large enough for the parallel region (past SERIAL_BYTES), one or two formats,
+    row counts that leave partial items: on 1, 2, 3 or 5 threads (more than the cores: the
+    ranges of threads that never run are taken by the others, `waste.kernels.steal`) every
+    output element is written and equals the matrix's own matvec, bit for bit; so does the
+    pair driver `_q_product` on any number of threads."""
+    rng = np.random.default_rng(17)
+    K = 256
+    shapes = [(int(n), K) for n in rng.integers(40, 300, 9)]
+    ms = [quantize(rng.standard_normal(shape).astype(np.float32), fmts[m % len(fmts)])
+          for m, shape in enumerate(shapes)]
+    X = rng.standard_normal((2, K)).astype(np.float32)
+    rows = rng.integers(0, 2, len(ms)).astype(np.int64)
+    batch = qk.QBatch(ms)
+    assert sum(m.nbytes for m in ms) > 2 * qk.SERIAL_BYTES  # codes past SERIAL_BYTES: the parallel region
+    expected = [w.matvec(X[rows[m]]) for m, w in enumerate(ms)]
+    a = ms[0]
+    b = quantize(rng.standard_normal(a.shape).astype(np.float32), a.fmt)
+    for threads in (1, 2, 3, 5):
+        Y = np.full((len(ms), 1, batch.width), np.nan, np.float32)
+        qk._q_products(X, rows, batch.table, batch.tscales, batch.first_format, *batch.likes, Y, threads)
+        for m, w in enumerate(ms):
+            np.testing.assert_array_equal(Y[m, 0, :w.shape[0]], expected[m])
+            assert np.isfinite(Y[m, 0, :batch.table[m, 2] * 16]).all()
+        qa, sa, ta, padded, _, _ = a._qargs
+        qb, sb, tb, _, _, _ = b._qargs
+        Ya, Yb = (np.full((1, padded), np.nan, np.float32) for _ in range(2))
+        qk._q_product(X[:1], qa, sa, ta, qb, sb, tb, Ya, Yb, threads)
+        np.testing.assert_array_equal(Ya[0, :a.shape[0]], a.matvec(X[0]))
+        np.testing.assert_array_equal(Yb[0, :b.shape[0]], b.matvec(X[0]))
 
 
 @pytest.mark.parametrize("fmts", [("q8g",), ("q4g",), ("mxfp4",), ("q4g", "q8g")])

@@ -21,6 +21,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
+from waste.jit import num_threads
 from waste.kernels.bf16 import DENSE_FORMATS, dense_operand, dense_products, dense_table, operand_buffer, operand_mode
 from waste.kernels.kda import (
     _gate_kernel,
@@ -278,7 +279,7 @@ class KDALayer:
             g = np.empty((H, K), np.float32)
             beta = np.empty(H, np.float32)
             kda_decode_step(x[None, :], *products, state.conv, *gates, state.base, state.pending_k, state.pending_d,
-                            *output, y, g, beta)
+                            *output, y, g, beta, num_threads())
             state.has_pending = True
             return y[0, :self.o_proj.shape[0]], g, beta
         if self._dense_step_args is not None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
+from waste.jit import num_threads
 from waste.kernels.mla import DECODE_BLOCK, decode_ranges, heads_dot, heads_times, mla_decode, mla_prefill
 from waste.kernels.mla_step import mla_decode_step
 from waste.kernels.norm import rms_norm
@@ -241,7 +242,7 @@ class MLALayer:
         probs = np.empty((self.H, n), np.float32)
         y = np.empty((1, self.o_proj._qargs[3]), np.float32)  # type: ignore[attr-defined]  # rows padded to 16
         mla_decode_step(x, *before, latent, n, np.float32(self.scale), decode_ranges(n), DECODE_BLOCK, *output, probs,
-                        y)
+                        y, num_threads())
         cache.length = n
         self.attention_weights_last = probs
         return y[0, :hidden]

@@ -38,27 +38,30 @@ def sigmoid_into(x, out):
 def kda_decode_step(x, first_rows, first_table, first_tscales, first_format, first_qs, first_scales, first_qs_b,
                     first_scales_b, mid_rows, mid_table, mid_tscales, mid_format, mid_qs, mid_scales, mid_qs_b,
                     mid_scales_b, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk, base,
-                    pending_k, pending_d, o_norm, eps, o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, y, g, beta):
+                    pending_k, pending_d, o_norm, eps, o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, y, g, beta,
+                    threads):
     """One token x [1, hidden] through a KDA layer -> y [1, padded hidden] (the output product's
     rows, padded to 16), g [H, K] the log decays, beta [H]; advances the conv ring and the
     recurrent state (base, pending_k, pending_d) as `KDALayer._decode` does.
 
     first_*: the QBatch of the six products that read x (q, k, v, f_a, the gate's first or
     only matrix, b); mid_*: the QBatch of the rank-K products (f_b on f_a x; g_b on the gate's
-    low rank when low_rank_gate); o_*: the output matrix's q arguments (QMatrix._qargs).
+    low rank when low_rank_gate); o_*: the output matrix's q arguments (QMatrix._qargs);
+    threads: numba.get_num_threads() (the products share their row blocks out between them).
     l2norm_qk arrives as an argument (True): passed as a literal here, it compiled the
     recurrence specialised, which then rounded an ulp away from the call-by-call step."""
     H, K = g.shape
     products = np.empty((first_table.shape[0], 1, ROWS * column_max(first_table, 2)), np.float32)
     _q_products(x, first_rows, first_table, first_tscales, first_format, first_qs, first_scales, first_qs_b,
-                first_scales_b, products)
+                first_scales_b, products, threads)
     low = _low_rank(products, mid_table.shape[0], K)
     mid = np.empty((mid_table.shape[0], 1, ROWS * column_max(mid_table, 2)), np.float32)
-    _q_products(low, mid_rows, mid_table, mid_tscales, mid_format, mid_qs, mid_scales, mid_qs_b, mid_scales_b, mid)
+    _q_products(low, mid_rows, mid_table, mid_tscales, mid_format, mid_qs, mid_scales, mid_qs_b, mid_scales_b, mid,
+                threads)
     normed = np.empty((H, K), np.float32)
     _after_products(products, mid, low_rank_gate, taps3, ring, gate_a, gate_bias, lower_bound, scale, l2norm_qk,
                     base, pending_k, pending_d, o_norm, eps, g, beta, normed)
-    _q_product(normed.reshape((1, H * K)), o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, o_tscale, y, y)
+    _q_product(normed.reshape((1, H * K)), o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, o_tscale, y, y, threads)
 
 
 # Serial: its parallel regions are those of the kernels it calls.

@@ -26,7 +26,7 @@ from waste.qformat import ROWS
 @kernel
 def mla_decode_step(x, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, kv_norm,
                     eps, w_uk, w_uv, latent, length, scale, nchunks, block, o_qs, o_scales, o_tscale, o_no_qs,
-                    o_no_scales, probs, y):
+                    o_no_scales, probs, y, threads):
     """One token x [1, hidden] through an MLA layer -> y [1, padded hidden] (the output product's
     rows, padded to 16) and probs [H, length], the attention weights. Row length - 1 of latent
     [capacity, R + P] (the cache, already holding the tokens before it) receives the token's
@@ -34,12 +34,14 @@ def mla_decode_step(x, rows, table, tscales, first_format, like_qs, like_scales,
 
     rows, table .. like_scales_b: the QBatch of q_proj (row 0) and kv_a_proj (row 1), both on x;
     kv_norm [R], eps float32: kv_a_layernorm; w_uk [H, nope, R], w_uv [H, V, R]; scale float32,
-    nchunks and block: `mla_decode`'s; o_*: o_proj's q arguments (QMatrix._qargs)."""
+    nchunks and block: `mla_decode`'s; o_*: o_proj's q arguments (QMatrix._qargs); threads:
+    numba.get_num_threads()."""
     H, nope, R = w_uk.shape
     D = latent.shape[1]
     rope = D - R
     products = np.empty((table.shape[0], 1, ROWS * column_max(table, 2)), np.float32)
-    _q_products(x, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, products)
+    _q_products(x, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, products,
+                threads)
     # The cache row: the normalised latent, then the rope part of the key.
     ckv = np.empty((1, R), np.float32)
     for r in range(R):
@@ -69,4 +71,5 @@ def mla_decode_step(x, rows, table, tscales, first_format, like_qs, like_scales,
     _decode(q_abs, latent, length, scale, R, nchunks, block, probs, o_latent)
     heads = np.empty((1, H, w_uv.shape[1]), np.float32)
     _heads_dot(o_latent.reshape((1, H, R)), w_uv, heads)
-    _q_product(heads.reshape((1, H * w_uv.shape[1])), o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, o_tscale, y, y)
+    _q_product(heads.reshape((1, H * w_uv.shape[1])), o_qs, o_scales, o_tscale, o_no_qs, o_no_scales, o_tscale, y, y,
+               threads)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import kernel, parallel_kernel, prange
+from waste.jit import kernel, num_threads, parallel_kernel, prange
 from waste.kernels.bf16 import (
     DENSE_FORMATS,
     DenseBatch,
@@ -198,7 +198,7 @@ def run_together(experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]]) -> bool:
 @kernel
 def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b,
                      down_table, down_tscales, down_first, down_qs, down_scales, down_qs_b, down_scales_b,
-                     inner, use_situ, beta, linear_beta, outs, weights, y):
+                     inner, use_situ, beta, linear_beta, outs, weights, y, threads):
     """outs [E, out] = the gated MLPs of E experts [inner, in] -> [out, inner] on one token x
     [1, in]: every gate and up product (rows 2e and 2e + 1 of the gate/up table) in one
     parallel region, the activations, every down product in another, all in one call (each
@@ -208,7 +208,7 @@ def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_
     n, out = outs.shape
     gate_up = np.empty((2 * n, 1, ROWS * column_max(gu_table, 2)), np.float32)
     _q_products(x, zero_ids(2 * n), gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b,
-                gu_scales_b, gate_up)
+                gu_scales_b, gate_up, threads)
     # Contiguous [E, inner] gate and up, as swiglu and situ_mlp hand the activation.
     gate = np.empty((n, inner), np.float32)
     up = np.empty((n, inner), np.float32)
@@ -219,7 +219,7 @@ def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_
     _activate_rows(gate, up, use_situ, beta, linear_beta, h)
     down = np.empty((n, 1, ROWS * column_max(down_table, 2)), np.float32)
     _q_products(h, row_ids(n), down_table, down_tscales, down_first, down_qs, down_scales, down_qs_b,
-                down_scales_b, down)
+                down_scales_b, down, threads)
     for e in range(n):
         outs[e] = down[e, 0, :out]
     if y.size:
@@ -273,7 +273,8 @@ def _one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]
     y = np.zeros(0 if weights is None else out, np.float32)
     _gated_one_token(x, gates_ups.table, gates_ups.tscales, gates_ups.first_format, *gates_ups.likes,
                      downs.table, downs.tscales, downs.first_format, *downs.likes,
-                     inner, *activation_args(situ_params), outs, _NO_WEIGHTS if weights is None else weights, y)
+                     inner, *activation_args(situ_params), outs, _NO_WEIGHTS if weights is None else weights, y,
+                     num_threads())
     return outs if weights is None else y
 
 
@@ -370,7 +371,7 @@ class ExpertTables:
             y = np.zeros(out, np.float32)
             ran = _moe_one_token(x, z, *router, self.known, ids, weights, rows, self.gate_up, self.gate_up_tscales,
                                  gu_first, *gu_likes, self.down, self.down_tscales, down_first, *down_likes, inner,
-                                 *self._activation, y)
+                                 *self._activation, y, num_threads())
         else:
             gu_like, down_like, inner, out = self._args
             y = np.zeros(out, np.float32)
@@ -435,7 +436,7 @@ def _gather_tscales(rows, gate_up_tscales, down_tscales):
 def _moe_one_token(x, z, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known, ids,
                    weights, rows, gate_up, gate_up_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b, down,
                    down_tscales, down_first, down_qs, down_scales, down_qs_b, down_scales_b, inner, use_situ, beta,
-                   linear_beta, y):
+                   linear_beta, y, threads):
     """ExpertTables.route_and_sum for q experts: route (`_route_rows`), then, if every row is
     known, y += the experts' weighted sum (`_gated_one_token` on the gathered rows) -> whether it ran."""
     row_weights = np.empty(ids.shape[1], np.float32)
@@ -447,7 +448,7 @@ def _moe_one_token(x, z, router_weight, bias, top_k, n_group, topk_group, renorm
     outs = np.empty((rows.shape[0], y.shape[0]), np.float32)
     _gated_one_token(z, gu, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b, dn, dn_tscales, down_first,
                      down_qs, down_scales, down_qs_b, down_scales_b, inner, use_situ, beta, linear_beta, outs,
-                     row_weights, y)
+                     row_weights, y, threads)
     return True
 
 

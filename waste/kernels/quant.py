@@ -51,6 +51,7 @@ from waste.kernels.bf16 import bf16_matmul, f32_matmul
 from waste.kernels.int8_blocks import ISA, make_rows
 from waste.kernels.pointers import pointer
 from waste.kernels.quantize import _f16_value, quantize_grouped
+from waste.kernels.steal import new_ranges, next_item
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
 
 Q_FORMATS = ("q8g", "q4g", "mxfp4")  # the formats of the integer products
@@ -198,7 +199,7 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     qb, sb, tb, _, _, _ = b._qargs  # type: ignore[attr-defined]
     Ya = np.empty((X.shape[0], padded), np.float32)
     Yb = np.empty_like(Ya)
-    _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb)
+    _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb, numba.get_num_threads())
     if padded != a.shape[0]:
         return np.ascontiguousarray(Ya[:, :a.shape[0]]), np.ascontiguousarray(Yb[:, :a.shape[0]])
     return Ya, Yb
@@ -247,7 +248,7 @@ class QBatch:
     def __call__(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """X [R, K] float32 C-contiguous, rows [M] int64 in [0, R) (the caller's promise: unchecked)."""
         Y = np.empty((len(self.matrices), 1, self.width), np.float32)
-        _q_products(X, rows, self.table, self.tscales, self.first_format, *self.likes, Y)
+        _q_products(X, rows, self.table, self.tscales, self.first_format, *self.likes, Y, numba.get_num_threads())
         return Y[:, 0]
 
     def spans(self, X: np.ndarray, x_start: np.ndarray, count: np.ndarray, y_start: np.ndarray,
@@ -343,7 +344,7 @@ def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
     """Y [T, N] = X W^T for a q-format matrix; X [T, K] float32 contiguous."""
     qs, scales, tscale, padded, no_qs, no_scales = m._qargs  # type: ignore[attr-defined]
     Y = np.empty((X.shape[0], padded), np.float32)
-    _q_product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y)
+    _q_product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y, numba.get_num_threads())
     return Y if padded == m.shape[0] else np.ascontiguousarray(Y[:, :m.shape[0]])
 
 
@@ -371,11 +372,12 @@ _rows = make_rows(ISA)
 
 
 @parallel_kernel
-def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
+def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb, threads):
     """Ya [T, 16NA] = X A^T and Yb [T, 16NB] = X B^T for q8g (int8 codes q [NB, G, 512]), q4g
     or repacked mxfp4 (uint8 codes q [NB, G, 256]) matrices A, B of one format with the same G
     (B may have no row blocks); scales [NB, G, 16] (float16 bits; mxfp4: E8M0 bytes), tscale [1].
-    The activations are quantised once, then the row blocks of both run in parallel."""
+    The activations are quantised once, then the row blocks of both run in parallel, shared out
+    between `threads` (numba.get_num_threads(); `waste.kernels.steal`)."""
     T = X.shape[0]
     G = qa.shape[1]
     xq = np.empty((T, G * GROUP), np.int8)
@@ -398,25 +400,31 @@ def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb):
         # One token: work items of several row blocks (ITEM_GROUPS); a chunk's blocks are work enough.
         per = max(1, ITEM_GROUPS // G) if T == 1 else 1
         items_a = (NA + per - 1) // per
-        for i in prange(items_a + (qb.shape[0] + per - 1) // per):
-            if i < items_a:
-                for b in range(i * per, min(NA, i * per + per)):
-                    _rows(qa, sa, xq, xsum, xs, Ya, ta[0], b)
-            else:
-                for b in range((i - items_a) * per, min(qb.shape[0], (i - items_a) * per + per)):
-                    _rows(qb, sb, xq, xsum, xs, Yb, tb[0], b)
+        words = new_ranges(items_a + (qb.shape[0] + per - 1) // per, threads)
+        for t in prange(threads):
+            cursor = np.zeros(1, np.int64)
+            i = next_item(words, t, cursor)
+            while i >= 0:
+                if i < items_a:
+                    for b in range(i * per, min(NA, i * per + per)):
+                        _rows(qa, sa, xq, xsum, xs, Ya, ta[0], b)
+                else:
+                    for b in range((i - items_a) * per, min(qb.shape[0], (i - items_a) * per + per)):
+                        _rows(qb, sb, xq, xsum, xs, Yb, tb[0], b)
+                i = next_item(words, t, cursor)
 
 
 
 @parallel_kernel
-def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, Y):
+def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, like_qs_b, like_scales_b, Y,
+                threads):
     """Y[m, 0, :16 NB_m] = X[rows[m]] W_m^T for M q matrices of one input width (G groups) and at
     most two formats. table [M, 4] (QBatch) holds per matrix the addresses of its codes and
     scales, its row blocks NB_m and its format: where that is first_format the matrix is read
     as (like_qs, like_scales), else as (like_qs_b, like_scales_b) (arrays of each format's
     dtypes and block size that hold no rows); tscales [M], Y [M, 1, W], W >= 16 max NB_m. Each
     row of X is quantised once, then the row blocks of all the matrices run in one parallel
-    region (two when there are two formats).
+    region, shared out between `threads` (numba.get_num_threads(); `waste.kernels.steal`).
 
     One decode step multiplies many small matrices (a MoE layer's experts, a KDA layer's six
     input projections), and a call and a parallel region per product cost microseconds each
@@ -467,12 +475,22 @@ def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, lik
             _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[i],
                          item_block[i], per)
         return
-    for i in prange(first):
-        _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i], per)
-    if first < items:
-        for i in prange(first, items):
-            _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[i],
-                         item_block[i], per)
+    # Both formats' items in one region, each format's in a loop of its own (above); a thread
+    # done with the first format's items goes on to the second's without waiting.
+    words, words_b = new_ranges(first, threads), new_ranges(items - first, threads)
+    for t in prange(threads):
+        cursor = np.zeros(1, np.int64)
+        i = next_item(words, t, cursor)
+        while i >= 0:
+            _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i],
+                         per)
+            i = next_item(words, t, cursor)
+        cursor[0] = 0
+        i = next_item(words_b, t, cursor)
+        while i >= 0:
+            _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[first + i],
+                         item_block[first + i], per)
+            i = next_item(words_b, t, cursor)
 
 
 @kernel
