@@ -98,3 +98,16 @@ def test_old_cache_directories_are_pruned(tmp_path) -> None:  # noqa: ANN001
     jit._prepare_cache(tmp_path / "waste-now")
     kept = sorted(p.name for p in tmp_path.iterdir())
     assert kept == sorted(["other", "waste-now", *[f"waste-old{age}" for age in range(jit.KEPT_SOURCE_VERSIONS)]])
+
+
+def test_num_threads_is_numbas_count_and_follows_set_num_threads() -> None:
+    import numba
+
+    assert jit.num_threads() == numba.get_num_threads()
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        assert jit.num_threads() == 1
+    finally:
+        numba.set_num_threads(before)
+    assert jit.num_threads() == before

@@ -113,5 +113,16 @@ def parallel_kernel(fn: F | None = None, **overrides: Any) -> Any:
 
 
 def num_threads() -> int:
-    """Threads Numba's parallel loops use (NUMBA_NUM_THREADS or all cores)."""
-    return numba.get_num_threads()
+    """Threads Numba's parallel loops use on this thread (NUMBA_NUM_THREADS or all cores, or
+    what numba.set_num_threads set): numba.get_num_threads(), without the lock that function
+    takes on every call to see whether the pool is up (0.7 against 0.1 us; a decode step asks
+    once per kernel call, `waste.kernels.steal`)."""
+    if _thread_count:
+        return _thread_count[0]()
+    numba.get_num_threads()  # starts the pool, which binds Numba's C function
+    # Where a Numba version lacks it, the public function.
+    _thread_count.append(getattr(numba.np.ufunc.parallel, "_get_num_threads", numba.get_num_threads))
+    return _thread_count[0]()
+
+
+_thread_count: list[Callable[[], int]] = []

@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_close
 
 from waste.errors import WasteError
+from waste.kernels import moe
 from waste.kernels.moe import (
     ExpertTables,
     add_weighted,
@@ -181,20 +182,25 @@ def test_gated_experts_sum_one_token_equals_the_rows_added(routed: str, shared: 
         gated_experts_sum_one_token(x, experts[:3], weights, act)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("routed", "shared", "act"), [("q4g", "q8g", None), ("mxfp4", None, (4.0, 25.0)),
                                                    ("f32", "f32", None), ("bf16", None, (2.0, None))])
-def test_expert_tables_route_and_sum_equals_routing_then_summing(routed: str, shared: str | None, act) -> None:
+def test_expert_tables_route_and_sum_equals_routing_then_summing(routed: str, shared: str | None, act, threads: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode step from the tables, in one call: the ids and weights of router_logits and
     route (grouped, biased choice), and the sum of gated_experts_sum_one_token over the chosen
     experts in id order (then the shared ones), bit for bit; routed on x, run on z. While a
-    chosen expert has no rows, the routing alone, and no sum."""
+    chosen expert has no rows, the routing alone, and no sum. The q formats' call is one
+    parallel region whatever the threads it is given (3: more than the cores, whose work the
+    others take: `waste.kernels.steal`)."""
+    monkeypatch.setattr(moe, "num_threads", lambda: threads)
     rng = np.random.default_rng(61)
-    E, k, D, I = 16, 4, 96, 64
+    E, k, D, I = 21, 4, 96, 64  # 21 experts: router work items of 8, 8 and 5
     experts = _experts(rng, routed, E, I, D)
     shared_expert = _experts(rng, shared, 1, I, D)[0] if shared else None
     router_weight = rng.standard_normal((E, 48)).astype(np.float32)
     bias = rng.uniform(-0.1, 0.1, E).astype(np.float32)
-    router = (router_weight, bias, k, 4, 2, True, np.float32(2.5), True)  # 4 groups keep 2; biased weights
+    router = (router_weight, bias, k, 3, 2, True, np.float32(2.5), True)  # 3 groups keep 2; biased weights
     tables = ExpertTables(E, shared_expert, act)
     for e in range(E - 1):  # the last expert has no rows yet
         tables.add(e, experts[e])
@@ -202,7 +208,7 @@ def test_expert_tables_route_and_sum_equals_routing_then_summing(routed: str, sh
     for _ in range(12):
         x = rng.standard_normal((1, 48)).astype(np.float32)
         z = (4 * rng.standard_normal((1, D))).astype(np.float32)
-        want_ids, want_weights = route(router_logits(x, router_weight), bias, top_k=k, num_groups=4, topk_group=2,
+        want_ids, want_weights = route(router_logits(x, router_weight), bias, top_k=k, num_groups=3, topk_group=2,
                                        scaling=2.5, router_weights="biased")
         ids, weights, unique, y = tables.route_and_sum(x, z, router)
         np.testing.assert_array_equal(ids, want_ids)

@@ -56,7 +56,10 @@ class ExpertStats:
 
     def layer(self, layer: int) -> LayerStats:
         """The counters of one layer, created on first use."""
-        return self.layers.setdefault(layer, LayerStats())
+        stats = self.layers.get(layer)
+        if stats is None:
+            stats = self.layers[layer] = LayerStats()
+        return stats
 
     @property
     def total(self) -> LayerStats:

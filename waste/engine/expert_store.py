@@ -132,7 +132,7 @@ class MmapExpertStore(ExpertStore):
         # (17 us an expert, ~9% of a `mini` decode step): by layer, a list by expert id (None
         # until asked for), and the blobs' bytes.
         self._views: dict[int, list[Expert | None]] = {}
-        self._blob_bytes: dict[int, list[int]] = {}
+        self._blob_bytes: dict[int, np.ndarray] = {}  # int64 [experts]
 
     maps_every_expert = True
 
@@ -140,7 +140,8 @@ class MmapExpertStore(ExpertStore):
         ids = self._check(layer, expert_ids)
         if layer not in self._views:
             self._views[layer] = [None] * self._num_experts
-            self._blob_bytes[layer] = [int(self.container.expert_span(layer, e)[1]) for e in range(self._num_experts)]
+            self._blob_bytes[layer] = np.array([self.container.expert_span(layer, e)[1]
+                                                for e in range(self._num_experts)], np.int64)
         views = self._views[layer]
         out = []
         for e in ids:
@@ -167,7 +168,7 @@ class MmapExpertStore(ExpertStore):
         st.calls += 1
         st.requests += len(expert_ids)
         st.misses += len(expert_ids)
-        st.bytes_read += sum(blob_bytes[e] for e in expert_ids)
+        st.bytes_read += int(blob_bytes[expert_ids].sum())
         self._last_hits = np.zeros(len(expert_ids), bool)
 
     @property

@@ -17,6 +17,7 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, num_threads, parallel_kernel, prange
+from waste.kernels.activations import _quantize_token
 from waste.kernels.bf16 import (
     DENSE_FORMATS,
     DenseBatch,
@@ -27,10 +28,20 @@ from waste.kernels.bf16 import (
     operand_buffer,
     operand_mode,
 )
-from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, _q_products, matmul_pair
-from waste.kernels.routing import route_one_token
+from waste.kernels.quant import (
+    ITEM_GROUPS,
+    Q_FORMATS,
+    QBatch,
+    QMatrix,
+    _fill_items,
+    _matrix_rows,
+    _q_products,
+    matmul_pair,
+)
+from waste.kernels.routing import _route, _router_rows, route_one_token
 from waste.kernels.serial import column_max, row_ids, zero_ids
-from waste.qformat import ROWS
+from waste.kernels.steal import LINE, fetch_add, new_ranges, next_item, set_ranges, wait_until
+from waste.qformat import GROUP, ROWS
 
 
 @kernel
@@ -152,10 +163,16 @@ def _activate_rows(gate, up, use_situ, beta, linear_beta, out):
     """out[e] = act(gate[e], up[e]) for each row e of [E, I] arrays: each row through the very
     call, on arrays of the very types, that swiglu and situ_mlp make for one token."""
     for e in range(gate.shape[0]):
-        if use_situ:
-            _situ(gate[e], up[e], beta, linear_beta, out[e])
-        else:
-            _silu_mul(gate[e:e + 1], up[e:e + 1], out[e:e + 1])
+        _activate_row(gate, up, use_situ, beta, linear_beta, out, e)
+
+
+@kernel
+def _activate_row(gate, up, use_situ, beta, linear_beta, out, e):
+    """Row e of _activate_rows."""
+    if use_situ:
+        _situ(gate[e], up[e], beta, linear_beta, out[e])
+    else:
+        _silu_mul(gate[e:e + 1], up[e:e + 1], out[e:e + 1])
 
 
 # fastmath off: no fused multiply-add, so each product is rounded to float32 before the sum.
@@ -205,7 +222,7 @@ def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_
     product `_q_products`, each argument triple (table, tscales, first format) and likes as a
     QBatch holds them). When y [out] is not empty, also y += weights[e] outs[e] for the first
     len(weights) experts in turn (`_add_weighted`), then += outs[e] of each later one."""
-    n, out = outs.shape
+    n = outs.shape[0]
     gate_up = np.empty((2 * n, 1, ROWS * column_max(gu_table, 2)), np.float32)
     _q_products(x, zero_ids(2 * n), gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b,
                 gu_scales_b, gate_up, threads)
@@ -220,10 +237,7 @@ def _gated_one_token(x, gu_table, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_
     down = np.empty((n, 1, ROWS * column_max(down_table, 2)), np.float32)
     _q_products(h, row_ids(n), down_table, down_tscales, down_first, down_qs, down_scales, down_qs_b,
                 down_scales_b, down, threads)
-    for e in range(n):
-        outs[e] = down[e, 0, :out]
-    if y.size:
-        _weighted_sum(outs, weights, y)
+    _sum_outputs(down, weights, outs, y)
 
 
 def gated_experts_one_token(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]],
@@ -388,6 +402,212 @@ def _route_rows(x, router_weight, bias, top_k, n_group, topk_group, renormalize,
     = its ids ascending with row_weights [k] their weights in that order, rows[k] (when there)
     the shared experts' row, the last of `known` [E + 1] -> whether every row is known."""
     route_one_token(x, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, ids, weights)
+    return _sorted_rows(ids, weights, known, rows, row_weights)
+
+
+@kernel
+def _gather_rows(rows, gate_up, down):
+    """The gate/up table [2n, W] (rows 2i, 2i + 1: gate and up of rows[i]) and the down table
+    [n, W] of the n rows, from ExpertTables' gate_up [E + 1, 2, W] and down [E + 1, W]."""
+    n, width = rows.shape[0], down.shape[1]
+    gu = np.empty((2 * n, width), np.int64)
+    dn = np.empty((n, width), np.int64)
+    _gather_into(rows, gate_up, down, gu, dn)
+    return gu, dn
+
+
+@kernel
+def _gather_into(rows, gate_up, down, gu, dn):
+    """_gather_rows into gu [2n, W] and dn [n, W] (tables of int64, or their tensor scales of
+    float32 [2n] and [n] from gate_up [E + 1, 2] and down [E + 1])."""
+    for i in range(rows.shape[0]):
+        gu[2 * i] = gate_up[rows[i], 0]
+        gu[2 * i + 1] = gate_up[rows[i], 1]
+        dn[i] = down[rows[i]]
+
+
+@kernel
+def _gather_tscales(rows, gate_up_tscales, down_tscales):
+    """The tensor scales [2n] and [n] of _gather_rows' tables."""
+    n = rows.shape[0]
+    gu = np.empty(2 * n, np.float32)
+    dn = np.empty(n, np.float32)
+    _gather_into(rows, gate_up_tscales, down_tscales, gu, dn)
+    return gu, dn
+
+
+# Experts per router work item of a decode step (`_moe_one_token`): 8 rows of a 2304-wide router
+# are 74 KB of float32.
+ROUTER_ITEM = 8
+# _moe_one_token's counters, each on a cache line of its own (steal.LINE words apart): items done
+# per stage, the serial step's completion, whether every routed expert has rows, item counts.
+_ROUTED, _SERIAL, _OK, _GATE_UP, _ACTIVATED, _DOWN, _N_GATE_UP, _N_DOWN, _GU_FIRST, _DN_FIRST = (
+    LINE * i for i in range(10))
+
+
+@parallel_kernel
+def _moe_one_token(x, z, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known, ids,
+                   weights, rows, gate_up, gate_up_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b, down,
+                   down_tscales, down_first, down_qs, down_scales, down_qs_b, down_scales_b, inner, use_situ, beta,
+                   linear_beta, y, threads):
+    """ExpertTables.route_and_sum for q experts -> whether every routed expert had rows (else
+    only ids, weights and rows are set): route x (`_route_rows`' router and choice), then y +=
+    the weighted sum of the experts' outputs on z, the bits of `_gated_one_token` on the
+    gathered rows, in ONE parallel region on `threads` threads.
+
+    The region's stages, each one's items shared out by `waste.kernels.steal` (a thread that
+    finds no item left waits for the others at `wait_until`, a spin on a counter, where a
+    region per stage would pay a fork and a join): the router's experts in blocks of
+    ROUTER_ITEM, with z quantised for the gate/up products as one more item; then, on the thread
+    that finishes the last of those, the choice, the row sort and the gathers (serial, short);
+    the gate and up products; per expert its activation and quantised down input; the down
+    products; then, on the thread that finishes the last down item, the weighted sum. Every
+    item is computed by the code of the call-by-call path, so the bits do not depend on the
+    thread that takes it."""
+    E = router_weight.shape[0]
+    k = ids.shape[1]
+    n = rows.shape[0]
+    out = y.shape[0]
+    logits = np.empty((1, E), np.float32)
+    row_weights = np.empty(k, np.float32)
+    # Gate/up: z quantised once (row 0), the gathered table, outputs.
+    G = gu_qs.shape[1]
+    xq = np.empty((1, G * GROUP), np.int8)
+    xsum = np.empty((1, G), np.int32)
+    xs = np.empty((1, G), np.float32)
+    gu = np.empty((2 * n, gate_up.shape[2]), np.int64)
+    gu_ts = np.empty(2 * n, np.float32)
+    gu_rows = zero_ids(2 * n)
+    gu_per = max(1, ITEM_GROUPS // G)
+    gu_blocks = 0  # row blocks of a gate or up matrix: one shape for all (run_together)
+    for r in range(E + 1):
+        gu_blocks = max(gu_blocks, gate_up[r, 0, 2])
+    gu_out = np.empty((2 * n, 1, ROWS * gu_blocks), np.float32)
+    gu_items = 2 * n * ((gu_blocks + gu_per - 1) // gu_per)
+    gu_matrix = np.empty(gu_items, np.int64)
+    gu_block = np.empty(gu_items, np.int64)
+    # Down: each expert's activation quantised (row e), the table, outputs.
+    Gd = down_qs.shape[1]
+    hq = np.empty((n, Gd * GROUP), np.int8)
+    hsum = np.empty((n, Gd), np.int32)
+    hs = np.empty((n, Gd), np.float32)
+    dn = np.empty((n, down.shape[1]), np.int64)
+    dn_ts = np.empty(n, np.float32)
+    dn_rows = row_ids(n)
+    dn_per = max(1, ITEM_GROUPS // Gd)
+    dn_blocks = 0
+    for r in range(E + 1):
+        dn_blocks = max(dn_blocks, down[r, 2])
+    dn_out = np.empty((n, 1, ROWS * dn_blocks), np.float32)
+    dn_items = n * ((dn_blocks + dn_per - 1) // dn_per)
+    dn_matrix = np.empty(dn_items, np.int64)
+    dn_block = np.empty(dn_items, np.int64)
+    gate = np.empty((n, inner), np.float32)
+    up = np.empty((n, inner), np.float32)
+    h = np.empty((n, inner), np.float32)
+    outs = np.empty((n, out), np.float32)
+
+    sync = np.zeros(10 * LINE, np.int64)
+    n_routed = 1 + (E + ROUTER_ITEM - 1) // ROUTER_ITEM
+    routed_words = new_ranges(n_routed, threads)
+    activated_words = new_ranges(n, threads)
+    gu_words, gu_words_b = new_ranges(0, threads), new_ranges(0, threads)  # set by the serial step
+    dn_words, dn_words_b = new_ranges(0, threads), new_ranges(0, threads)
+    for t in prange(threads):
+        cursor = np.zeros(1, np.int64)
+        i = next_item(routed_words, t, cursor)
+        while i >= 0:
+            if i == 0:
+                _quantize_token(z, 0, xq, xsum, xs)
+            else:
+                e0 = (i - 1) * ROUTER_ITEM
+                _router_rows(x, router_weight, logits, 0, e0, min(E, e0 + ROUTER_ITEM))
+            if fetch_add(sync, _ROUTED, 1) == n_routed - 1:  # the last one: the serial step
+                _route(logits, bias, top_k, n_group, topk_group, renormalize, scaling, biased, ids, weights)
+                if _sorted_rows(ids, weights, known, rows, row_weights):
+                    _gather_into(rows, gate_up, down, gu, dn)
+                    _gather_into(rows, gate_up_tscales, down_tscales, gu_ts, dn_ts)
+                    first, total = _fill_items(gu, gu_first, gu_per, gu_matrix, gu_block)
+                    set_ranges(gu_words, first)
+                    set_ranges(gu_words_b, total - first)
+                    sync[_GU_FIRST] = first
+                    sync[_N_GATE_UP] = total
+                    first, total = _fill_items(dn, down_first, dn_per, dn_matrix, dn_block)
+                    set_ranges(dn_words, first)
+                    set_ranges(dn_words_b, total - first)
+                    sync[_DN_FIRST] = first
+                    sync[_N_DOWN] = total
+                    sync[_OK] = 1
+                fetch_add(sync, _SERIAL, 1)
+            i = next_item(routed_words, t, cursor)
+        wait_until(sync, _SERIAL, 1)
+        if sync[_OK] == 1:
+            # Gate and up products, the first format's items then the other's.
+            cursor[0] = 0
+            i = next_item(gu_words, t, cursor)
+            while i >= 0:
+                _matrix_rows(gu_rows, gu, gu_ts, gu_qs, gu_scales, gu_out, xq, xsum, xs, gu_matrix[i], gu_block[i],
+                             gu_per)
+                fetch_add(sync, _GATE_UP, 1)
+                i = next_item(gu_words, t, cursor)
+            cursor[0] = 0
+            first = sync[_GU_FIRST]
+            i = next_item(gu_words_b, t, cursor)
+            while i >= 0:
+                _matrix_rows(gu_rows, gu, gu_ts, gu_qs_b, gu_scales_b, gu_out, xq, xsum, xs, gu_matrix[first + i],
+                             gu_block[first + i], gu_per)
+                fetch_add(sync, _GATE_UP, 1)
+                i = next_item(gu_words_b, t, cursor)
+            wait_until(sync, _GATE_UP, sync[_N_GATE_UP])
+            # Per expert: the activation and its quantised row for the down products.
+            cursor[0] = 0
+            e = next_item(activated_words, t, cursor)
+            while e >= 0:
+                gate[e] = gu_out[2 * e, 0, :inner]
+                up[e] = gu_out[2 * e + 1, 0, :inner]
+                _activate_row(gate, up, use_situ, beta, linear_beta, h, e)
+                _quantize_token(h, e, hq, hsum, hs)
+                fetch_add(sync, _ACTIVATED, 1)
+                e = next_item(activated_words, t, cursor)
+            wait_until(sync, _ACTIVATED, n)
+            # Down products, the first format's items then the other's; the thread that
+            # finishes the last one sums the outputs.
+            n_down = sync[_N_DOWN]
+            first = sync[_DN_FIRST]
+            cursor[0] = 0
+            i = next_item(dn_words, t, cursor)
+            while i >= 0:
+                _matrix_rows(dn_rows, dn, dn_ts, down_qs, down_scales, dn_out, hq, hsum, hs, dn_matrix[i], dn_block[i],
+                             dn_per)
+                if fetch_add(sync, _DOWN, 1) == n_down - 1:
+                    _sum_outputs(dn_out, row_weights, outs, y)
+                i = next_item(dn_words, t, cursor)
+            cursor[0] = 0
+            i = next_item(dn_words_b, t, cursor)
+            while i >= 0:
+                _matrix_rows(dn_rows, dn, dn_ts, down_qs_b, down_scales_b, dn_out, hq, hsum, hs, dn_matrix[first + i],
+                             dn_block[first + i], dn_per)
+                if fetch_add(sync, _DOWN, 1) == n_down - 1:
+                    _sum_outputs(dn_out, row_weights, outs, y)
+                i = next_item(dn_words_b, t, cursor)
+    return sync[_OK] == 1
+
+
+@kernel
+def _sum_outputs(down, weights, outs, y):
+    """outs[e] = the down products' rows down [n, 1, W]; when y is not empty, y += their
+    weighted sum (`_weighted_sum`)."""
+    for e in range(outs.shape[0]):
+        outs[e] = down[e, 0, :outs.shape[1]]
+    if y.size:
+        _weighted_sum(outs, weights, y)
+
+
+@kernel
+def _sorted_rows(ids, weights, known, rows, row_weights):
+    """rows[:k] = a token's routed ids [1, k] ascending, row_weights [k] their weights [1, k] in
+    that order, rows[k] (when there) the shared experts' row, the last of `known` [E + 1] ->
+    whether every row is known."""
     k = ids.shape[1]
     for i in range(k):  # insertion sort of the distinct ids, carrying their weights
         e, w = ids[0, i], weights[0, i]
@@ -401,54 +621,6 @@ def _route_rows(x, router_weight, bias, top_k, n_group, topk_group, renormalize,
     for r in rows:
         if not known[r]:
             return False
-    return True
-
-
-@kernel
-def _gather_rows(rows, gate_up, down):
-    """The gate/up table [2n, W] (rows 2i, 2i + 1: gate and up of rows[i]) and the down table
-    [n, W] of the n rows, from ExpertTables' gate_up [E + 1, 2, W] and down [E + 1, W]."""
-    n, width = rows.shape[0], down.shape[1]
-    gu = np.empty((2 * n, width), np.int64)
-    dn = np.empty((n, width), np.int64)
-    for i in range(n):
-        for c in range(width):
-            gu[2 * i, c] = gate_up[rows[i], 0, c]
-            gu[2 * i + 1, c] = gate_up[rows[i], 1, c]
-            dn[i, c] = down[rows[i], c]
-    return gu, dn
-
-
-@kernel
-def _gather_tscales(rows, gate_up_tscales, down_tscales):
-    """The tensor scales [2n] and [n] of _gather_rows' tables."""
-    n = rows.shape[0]
-    gu = np.empty(2 * n, np.float32)
-    dn = np.empty(n, np.float32)
-    for i in range(n):
-        gu[2 * i] = gate_up_tscales[rows[i], 0]
-        gu[2 * i + 1] = gate_up_tscales[rows[i], 1]
-        dn[i] = down_tscales[rows[i]]
-    return gu, dn
-
-
-@kernel
-def _moe_one_token(x, z, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known, ids,
-                   weights, rows, gate_up, gate_up_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b, down,
-                   down_tscales, down_first, down_qs, down_scales, down_qs_b, down_scales_b, inner, use_situ, beta,
-                   linear_beta, y, threads):
-    """ExpertTables.route_and_sum for q experts: route (`_route_rows`), then, if every row is
-    known, y += the experts' weighted sum (`_gated_one_token` on the gathered rows) -> whether it ran."""
-    row_weights = np.empty(ids.shape[1], np.float32)
-    if not _route_rows(x, router_weight, bias, top_k, n_group, topk_group, renormalize, scaling, biased, known, ids,
-                       weights, rows, row_weights):
-        return False
-    gu, dn = _gather_rows(rows, gate_up, down)
-    gu_tscales, dn_tscales = _gather_tscales(rows, gate_up_tscales, down_tscales)
-    outs = np.empty((rows.shape[0], y.shape[0]), np.float32)
-    _gated_one_token(z, gu, gu_tscales, gu_first, gu_qs, gu_scales, gu_qs_b, gu_scales_b, dn, dn_tscales, down_first,
-                     down_qs, down_scales, down_qs_b, down_scales_b, inner, use_situ, beta, linear_beta, outs,
-                     row_weights, y, threads)
     return True
 
 

@@ -44,7 +44,7 @@ import numba
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import kernel, parallel_kernel, prange
+from waste.jit import kernel, num_threads, parallel_kernel, prange
 from waste.kernels import mxfp4
 from waste.kernels.activations import _quantize_token, quantized_activations
 from waste.kernels.bf16 import bf16_matmul, f32_matmul
@@ -199,7 +199,7 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     qb, sb, tb, _, _, _ = b._qargs  # type: ignore[attr-defined]
     Ya = np.empty((X.shape[0], padded), np.float32)
     Yb = np.empty_like(Ya)
-    _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb, numba.get_num_threads())
+    _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb, num_threads())
     if padded != a.shape[0]:
         return np.ascontiguousarray(Ya[:, :a.shape[0]]), np.ascontiguousarray(Yb[:, :a.shape[0]])
     return Ya, Yb
@@ -248,7 +248,7 @@ class QBatch:
     def __call__(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """X [R, K] float32 C-contiguous, rows [M] int64 in [0, R) (the caller's promise: unchecked)."""
         Y = np.empty((len(self.matrices), 1, self.width), np.float32)
-        _q_products(X, rows, self.table, self.tscales, self.first_format, *self.likes, Y, numba.get_num_threads())
+        _q_products(X, rows, self.table, self.tscales, self.first_format, *self.likes, Y, num_threads())
         return Y[:, 0]
 
     def spans(self, X: np.ndarray, x_start: np.ndarray, count: np.ndarray, y_start: np.ndarray,
@@ -257,7 +257,7 @@ class QBatch:
         and inside the out_rows output rows (the caller's promise: unchecked)."""
         Y = np.empty((out_rows, self.width), np.float32)
         _q_spans(*quantized_activations(X, self.likes[0].shape[1]), x_start, count, y_start, self.table,
-                 self.tscales, self.first_format, *self.likes, Y, numba.get_num_threads())
+                 self.tscales, self.first_format, *self.likes, Y, num_threads())
         return Y
 
 
@@ -344,7 +344,7 @@ def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
     """Y [T, N] = X W^T for a q-format matrix; X [T, K] float32 contiguous."""
     qs, scales, tscale, padded, no_qs, no_scales = m._qargs  # type: ignore[attr-defined]
     Y = np.empty((X.shape[0], padded), np.float32)
-    _q_product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y, numba.get_num_threads())
+    _q_product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y, num_threads())
     return Y if padded == m.shape[0] else np.ascontiguousarray(Y[:, :m.shape[0]])
 
 
@@ -459,14 +459,7 @@ def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, lik
             code_bytes += table[m, 2] * G * like_qs_b.shape[2]
     item_matrix = np.empty(items, np.int64)
     item_block = np.empty(items, np.int64)  # the item's first row block
-    i = 0
-    for pass_ in range(2):
-        for m in range(M):
-            if (table[m, 3] == first_format) == (pass_ == 0):
-                for b in range(0, table[m, 2], per):
-                    item_matrix[i] = m
-                    item_block[i] = b
-                    i += 1
+    _fill_items(table, first_format, per, item_matrix, item_block)
     if code_bytes <= SERIAL_BYTES:
         for i in range(first):
             _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i],
@@ -491,6 +484,25 @@ def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, lik
             _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[first + i],
                          item_block[first + i], per)
             i = next_item(words_b, t, cursor)
+
+
+@kernel
+def _fill_items(table, first_format, per, item_matrix, item_block):
+    """The work items of _q_products' matrices (table [M, 4]) of `per` row blocks each: item i is
+    row blocks item_block[i] .. + per - 1 of matrix item_matrix[i], the first format's items
+    first -> (their count, the count of all)."""
+    i = 0
+    first = 0
+    for pass_ in range(2):
+        for m in range(table.shape[0]):
+            if (table[m, 3] == first_format) == (pass_ == 0):
+                for b in range(0, table[m, 2], per):
+                    item_matrix[i] = m
+                    item_block[i] = b
+                    i += 1
+        if pass_ == 0:
+            first = i
+    return first, i
 
 
 @kernel

@@ -92,12 +92,19 @@ PARALLEL_ROUTER_WORK = 1 << 20
 
 
 @kernel
-def _router_row(x, weight, out, t):
-    for e in range(weight.shape[0]):
+def _router_rows(x, weight, out, t, e0, e1):
+    """out[t, e] = x[t] . weight[e] for experts e0 <= e < e1 (a decode step's router splits its
+    experts between threads: `waste.kernels.moe._moe_one_token`)."""
+    for e in range(e0, e1):
         acc = np.float32(0.0)
         for i in range(x.shape[1]):
             acc += x[t, i] * weight[e, i]
         out[t, e] = acc
+
+
+@kernel
+def _router_row(x, weight, out, t):
+    _router_rows(x, weight, out, t, 0, weight.shape[0])
 
 
 @parallel_kernel

@@ -25,8 +25,11 @@ in compiled code it would keep the kernel out of the cache):
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
-from numba.core import types
+from llvmlite import ir
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from waste.jit import kernel
@@ -53,13 +56,64 @@ def fetch_add(typingctx, words, index, value):
     return sig, codegen
 
 
+@intrinsic
+def load_acquire(typingctx, words, index):
+    """words[index], read atomically with acquire ordering (what the writer stored before its
+    fetch_add is visible after this load sees that add)."""
+    if not (isinstance(words, types.Array) and words.dtype == types.int64 and words.ndim == 1
+            and isinstance(index, types.Integer)):
+        return None
+    sig = types.int64(words, index)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.intp)
+        return builder.load_atomic(builder.gep(array.data, [i]), "acquire", 8)
+
+    return sig, codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """x86's `pause` (tells the core it is spinning: the other hyperthread runs and leaving the
+    loop costs no pipeline flush); nothing elsewhere."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        if _X86:
+            pause = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                   "llvm.x86.sse2.pause")
+            builder.call(pause, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @kernel
-def new_ranges(n, threads):
-    """Words for n items split into `threads` contiguous ranges (the first n // threads or so to
-    thread 0, and on), one word per cache line."""
-    words = np.zeros(max(1, threads) * LINE, np.int64)
+def wait_until(words, index, value):
+    """Spin until words[index] >= value (a count of done items another thread adds to)."""
+    while load_acquire(words, index) < value:
+        spin_pause()
+
+
+@kernel
+def set_ranges(words, n):
+    """Split n items into contiguous ranges, one per thread (words [threads * LINE]): the first
+    n // threads or so to thread 0, and on."""
+    threads = words.shape[0] // LINE
     for t in range(threads):
         words[t * LINE] = (n * t // threads) | ((n * (t + 1) // threads) << 32)
+
+
+@kernel
+def new_ranges(n, threads):
+    """Words for n items split into `threads` contiguous ranges (`set_ranges`), one word per
+    cache line."""
+    words = np.zeros(max(1, threads) * LINE, np.int64)
+    set_ranges(words, n)
     return words
 
 
