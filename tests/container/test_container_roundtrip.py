@@ -101,6 +101,34 @@ def test_layout_alignment_and_zero_copy(tmp_path_factory: pytest.TempPathFactory
         assert not w1.flags.writeable and w1.base is not None  # a view over the map, not a copy
 
 
+def test_trunk_held_in_memory_serves_the_same_bytes_from_a_copy(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """hold_trunk_in_memory: the views taken afterwards read a read-only copy in anonymous
+    memory (2 MiB aligned, for huge pages) with the file's bytes; those taken before keep the
+    map; the trunk's mapped pages are dropped from the process (its RSS holds the trunk once);
+    a second call changes nothing."""
+    from waste.engine.memory import mapped_rss
+
+    out = tiny_container(tmp_path_factory)
+    with open_container(out) as c:
+        before = {n: c.tensor(n) for n in c.names() if c.entry(n).storage == "f32"}
+        mapped_before = {n: np.array(t) for n, t in before.items()}
+        assert c.trunk_in_memory == 0
+        c.hold_trunk_in_memory()
+        size = (out / "trunk.bin").stat().st_size
+        assert c.trunk_in_memory == size
+        trunk = c._trunk
+        assert trunk.ctypes.data % (2 << 20) == 0 and not trunk.flags.writeable
+        assert np.array_equal(trunk, np.fromfile(out / "trunk.bin", np.uint8))
+        trunk_fd = c.data_fds()[0]
+        assert mapped_rss([trunk_fd]) == 0
+        for n, t in before.items():
+            after = c.tensor(n)
+            assert np.array_equal(after, mapped_before[n]) and np.array_equal(t, after)
+            assert not after.flags.writeable and np.shares_memory(after, trunk) and not np.shares_memory(t, trunk)
+        c.hold_trunk_in_memory()
+        assert c._trunk is trunk
+
+
 def test_byte_counts_cover_the_trunk(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tiny_container(tmp_path_factory)
     with open_container(out) as c:

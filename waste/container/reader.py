@@ -7,7 +7,8 @@ tensor table against `expected_tensors`), the sizes of trunk.bin and experts.bin
 tensor's bounds, then the CRC32C of every trunk tensor; each expert blob is checked the
 first time it is used (`expert`, or `check_expert` for a blob read into memory). What it
 hands out are read-only NumPy views over the memory maps, so a damaged file is reported by
-name instead of read as garbage. `verify=False` skips the data CRCs (`--no-verify`), never
+name instead of read as garbage; a model copies the trunk into memory on huge pages when it
+loads (`hold_trunk_in_memory`) and takes its views from the copy. `verify=False` skips the data CRCs (`--no-verify`), never
 the manifest's. `Container.verify()` reads every byte: every CRC, and that padding is zero.
 """
 
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     from waste.kernels.quant import QMatrix
 
 _MAX_MANIFEST = 1 << 30  # bytes; a manifest is a few MB even for K3
+HUGE_PAGE = 2 << 20  # bytes: x86's transparent huge page
+# Bytes of trunk.bin copied at a time by `hold_trunk_in_memory` before their mapped pages are
+# dropped, so the copy never makes the process hold the trunk twice.
+COPY_STEP = 64 << 20
 _DAMAGED = "the container is damaged (`waste verify` lists every problem; --no-verify skips this check)"
 
 
@@ -80,6 +85,7 @@ class Container:
         self.guarded: dict[str, bool] = {}  # file -> a lease was taken on it at open (lease.py)
         self._closed = False
         self._trunk = self._experts = np.zeros(0, np.uint8)
+        self.trunk_in_memory = 0  # bytes of the trunk held in anonymous memory (hold_trunk_in_memory)
         self.dir_fd = _open_dir(self.path)
         try:
             data = self._read_manifest()
@@ -164,6 +170,39 @@ class Container:
         mapped = np.frombuffer(mm, np.uint8)
         self._watched.append(sigbus.watch(mapped, path))
         return mapped
+
+    def hold_trunk_in_memory(self) -> None:
+        """Serve the trunk's views from a copy in anonymous memory backed by transparent huge
+        pages where the kernel offers them (madvise MADV_HUGEPAGE; 2 MiB aligned), instead of
+        from trunk.bin's map of 4 KiB page-cache pages: a decode step streams every trunk weight
+        once, and with 2 MiB pages its reads miss the TLB 512 times less often and its
+        prefetchers are not stopped at every 4 KiB (on `mini` q4, EPYC, 2026-12-03: a decode
+        step 1.05-1.07x faster in one process; the lm_head's product 14%, KDA's 9%). Views
+        taken before keep the map. The copy is read in steps of COPY_STEP, each step's mapped
+        pages dropped after it (they stay in the page cache), so the process never holds the
+        trunk twice; `trunk_in_memory` then says its size (the memory planner counts it
+        as the trunk, not as runtime). Idempotent."""
+        if self.trunk_in_memory or self._trunk.size == 0:
+            return
+        n = self._trunk.nbytes
+        region = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                region.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass  # no transparent huge pages here: the copy still serves, on 4 KiB pages
+        whole = np.frombuffer(region, np.uint8)
+        start = -whole.ctypes.data % HUGE_PAGE
+        copy = whole[start:start + n]
+        source = self._trunk.base
+        for lo in range(0, n, COPY_STEP):
+            hi = min(n, lo + COPY_STEP)
+            copy[lo:hi] = self._trunk[lo:hi]
+            if isinstance(source, memoryview) and isinstance(source.obj, mmap.mmap):
+                source.obj.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        copy.setflags(write=False)  # read-only as the map's views are (the kernels' types stay)
+        self._trunk = copy
+        self.trunk_in_memory = n
 
     def _check_trunk(self) -> None:
         for e in self._manifest.tensors.values():

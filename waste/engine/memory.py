@@ -9,7 +9,7 @@ nothing, so every kernel is loaded or compiled), before it picks the expert stor
     resident = runtime: what the process then holds besides the terms below, measured (its
                RSS less the container's mapped pages and the MLA weights): the interpreter,
                NumPy, Numba and LLVM, the compiled kernels, thread stacks
-             + trunk weights (mapped, all touched by a run)
+             + trunk weights (copied into memory when the model loads: Container.hold_trunk_in_memory)
              + MLA absorbed weights (kv_b_proj widened to float32 at load)
              + session state at the run's context (KDA states, conv rings, MLA latents)
              + working buffers (one prefill pass's activations, the routed experts one
@@ -194,8 +194,8 @@ def mla_weight_bytes(cfg: ModelConfig) -> int:
 def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbiased") -> tuple[Any, int]:
     """(model, runtime bytes): the model over `container`, after two prompt tokens and one decoded
     token went through it, which loads (or compiles) every kernel a run uses; and what the process
-    then holds beyond the plan's other terms: its RSS less the container's mapped pages (the
-    trunk term counts those) and the MLA weights. That is the interpreter, NumPy, Numba and
+    then holds beyond the plan's other terms: its RSS less the container's mapped pages and its
+    trunk's copy in memory (the trunk term counts those) and the MLA weights. That is the interpreter, NumPy, Numba and
     LLVM, the compiled kernels, the threads' stacks and whatever the model keeps besides.
     The model's store caches nothing; give it the run's (`model.store = ...`)."""
     from waste.engine.experts import StreamingExpertStore
@@ -211,7 +211,8 @@ def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbias
     finally:
         model.store.close()
     model.times = LayerTimes()
-    runtime = current_rss() - mapped_rss(container.data_fds()) - mla_weight_bytes(container.config)
+    runtime = (current_rss() - mapped_rss(container.data_fds()) - container.trunk_in_memory
+               - mla_weight_bytes(container.config))
     return model, max(runtime, 0)
 
 

@@ -132,6 +132,7 @@ class Model:
         cfg = container.config
         self.container = container
         self.config = cfg
+        container.hold_trunk_in_memory()  # every view below from the copy on huge pages
         self.store = store if store is not None else MmapExpertStore(container)
         self.read_ahead = True  # a long prefill pass reads the next MoE layer's experts ahead (_read_ahead)
         self.guess_experts = True  # a decode step reads the next MoE layer's guessed experts ahead (_guess)
