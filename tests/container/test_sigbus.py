@@ -39,6 +39,24 @@ def _one_line(child: subprocess.Popen[bytes], path: Path) -> str:
     return lines[0]
 
 
+def _run_and_cut(path: Path, options: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes],
+                                                                                               bytes]:
+    """`waste run` of path's container on "hello" with `options`, path cut to nothing once the
+    reply's first byte is out (it decodes then) -> (the child, that byte). path is open for
+    writing meanwhile, so no lease can be taken on it (lease.py)."""
+    writer = os.open(path, os.O_WRONLY)
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "waste.cli", "run", str(path.parent), "--prompt", "hello",
+                                  *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert child.stdout is not None
+        first = child.stdout.read(1)
+        assert first, f"the run printed nothing: {child.communicate(timeout=60)[1].decode()}"
+        os.ftruncate(writer, 0)
+    finally:
+        os.close(writer)
+    return child, first
+
+
 @pytest.mark.parametrize("faulthandler", [False, True], ids=["plain", "faulthandler-first"])
 def test_cli_run_truncated_without_a_lease(container: Path, faulthandler: bool) -> None:
     """`waste run` on the memory-mapped store; experts.bin is open for writing here, so no lease
@@ -46,17 +64,7 @@ def test_cli_run_truncated_without_a_lease(container: Path, faulthandler: bool) 
     decodes. A new expert's first touch is refused by the reader's size check (reader.py), one
     touched before faults: either way one line."""
     env = {**os.environ, "PYTHONFAULTHANDLER": "1" if faulthandler else ""}
-    writer = os.open(container / "experts.bin", os.O_WRONLY)
-    try:
-        child = subprocess.Popen([sys.executable, "-m", "waste.cli", "run", str(container), "--prompt", "hello",
-                                  "--max-new", "4000", "--expert-cache", "mmap"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        assert child.stdout is not None
-        first = child.stdout.read(1)
-        assert first, f"the run printed nothing: {child.communicate(timeout=60)[1].decode()}"
-        os.ftruncate(writer, 0)
-    finally:
-        os.close(writer)
+    child, _ = _run_and_cut(container / "experts.bin", ["--max-new", "4000", "--expert-cache", "mmap"], env)
     line = _one_line(child, container / "experts.bin")
     assert PROBLEM in line or "while in use" in line, line
 
@@ -67,17 +75,7 @@ def test_cli_run_outlives_its_trunk_file(container: Path) -> None:
     out_whole = subprocess.run([sys.executable, "-m", "waste.cli", "run", str(container), "--prompt", "hello",
                                 "--max-new", "40", "--temperature", "0"], capture_output=True, timeout=300)
     assert out_whole.returncode == 0, out_whole.stderr.decode()
-    writer = os.open(container / "trunk.bin", os.O_WRONLY)
-    try:
-        child = subprocess.Popen([sys.executable, "-m", "waste.cli", "run", str(container), "--prompt", "hello",
-                                  "--max-new", "40", "--temperature", "0"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE)
-        assert child.stdout is not None
-        first = child.stdout.read(1)
-        assert first, f"the run printed nothing: {child.communicate(timeout=60)[1].decode()}"
-        os.ftruncate(writer, 0)
-    finally:
-        os.close(writer)
+    child, first = _run_and_cut(container / "trunk.bin", ["--max-new", "40", "--temperature", "0"])
     rest, err = child.communicate(timeout=300)
     assert child.returncode == 0, err.decode()
     generated = [re.search(rb"^generated: (.*)$", out, re.M) for out in (first + rest, out_whole.stdout)]

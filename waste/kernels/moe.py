@@ -34,8 +34,8 @@ from waste.kernels.quant import (
     QBatch,
     QMatrix,
     _fill_items,
-    _matrix_rows,
     _q_products,
+    _take_items,
     matmul_pair,
 )
 from waste.kernels.routing import _route, _router_rows, route_one_token
@@ -543,21 +543,9 @@ def _moe_one_token(x, z, router_weight, bias, top_k, n_group, topk_group, renorm
         wait_until(sync, _SERIAL, 1)
         if sync[_OK] == 1:
             # Gate and up products, the first format's items then the other's.
-            cursor[0] = 0
-            i = next_item(gu_words, t, cursor)
-            while i >= 0:
-                _matrix_rows(gu_rows, gu, gu_ts, gu_qs, gu_scales, gu_out, xq, xsum, xs, gu_matrix[i], gu_block[i],
-                             gu_per)
-                fetch_add(sync, _GATE_UP, 1)
-                i = next_item(gu_words, t, cursor)
-            cursor[0] = 0
-            first = sync[_GU_FIRST]
-            i = next_item(gu_words_b, t, cursor)
-            while i >= 0:
-                _matrix_rows(gu_rows, gu, gu_ts, gu_qs_b, gu_scales_b, gu_out, xq, xsum, xs, gu_matrix[first + i],
-                             gu_block[first + i], gu_per)
-                fetch_add(sync, _GATE_UP, 1)
-                i = next_item(gu_words_b, t, cursor)
+            _take_items(t, gu_words, gu_words_b, sync[_GU_FIRST], gu_rows, gu, gu_ts, gu_qs, gu_scales, gu_qs_b,
+                        gu_scales_b, gu_out, xq, xsum, xs, gu_matrix, gu_block, gu_per, sync, _GATE_UP,
+                        sync[_N_GATE_UP])
             wait_until(sync, _GATE_UP, sync[_N_GATE_UP])
             # Per expert: the activation and its quantised row for the down products.
             cursor[0] = 0
@@ -572,24 +560,10 @@ def _moe_one_token(x, z, router_weight, bias, top_k, n_group, topk_group, renorm
             wait_until(sync, _ACTIVATED, n)
             # Down products, the first format's items then the other's; the thread that
             # finishes the last one sums the outputs.
-            n_down = sync[_N_DOWN]
-            first = sync[_DN_FIRST]
-            cursor[0] = 0
-            i = next_item(dn_words, t, cursor)
-            while i >= 0:
-                _matrix_rows(dn_rows, dn, dn_ts, down_qs, down_scales, dn_out, hq, hsum, hs, dn_matrix[i], dn_block[i],
-                             dn_per)
-                if fetch_add(sync, _DOWN, 1) == n_down - 1:
-                    _sum_outputs(dn_out, row_weights, outs, y)
-                i = next_item(dn_words, t, cursor)
-            cursor[0] = 0
-            i = next_item(dn_words_b, t, cursor)
-            while i >= 0:
-                _matrix_rows(dn_rows, dn, dn_ts, down_qs_b, down_scales_b, dn_out, hq, hsum, hs, dn_matrix[first + i],
-                             dn_block[first + i], dn_per)
-                if fetch_add(sync, _DOWN, 1) == n_down - 1:
-                    _sum_outputs(dn_out, row_weights, outs, y)
-                i = next_item(dn_words_b, t, cursor)
+            if _take_items(t, dn_words, dn_words_b, sync[_DN_FIRST], dn_rows, dn, dn_ts, down_qs, down_scales,
+                           down_qs_b, down_scales_b, dn_out, hq, hsum, hs, dn_matrix, dn_block, dn_per, sync, _DOWN,
+                           sync[_N_DOWN]):
+                _sum_outputs(dn_out, row_weights, outs, y)
     return sync[_OK] == 1
 
 

@@ -51,7 +51,7 @@ from waste.kernels.bf16 import bf16_matmul, f32_matmul
 from waste.kernels.int8_blocks import ISA, make_rows
 from waste.kernels.pointers import pointer
 from waste.kernels.quantize import _f16_value, quantize_grouped
-from waste.kernels.steal import new_ranges, next_item
+from waste.kernels.steal import fetch_add, new_ranges, next_item
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
 
 Q_FORMATS = ("q8g", "q4g", "mxfp4")  # the formats of the integer products
@@ -472,18 +472,37 @@ def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, lik
     # done with the first format's items goes on to the second's without waiting.
     words, words_b = new_ranges(first, threads), new_ranges(items - first, threads)
     for t in prange(threads):
-        cursor = np.zeros(1, np.int64)
+        _take_items(t, words, words_b, first, rows, table, tscales, like_qs, like_scales, like_qs_b, like_scales_b, Y,
+                    xq, xsum, xs, item_matrix, item_block, per, _NO_COUNT, 0, 0)
+
+
+_NO_COUNT = np.zeros(0, np.int64)
+
+
+@kernel
+def _take_items(t, words, words_b, first, rows, table, tscales, like_qs, like_scales, like_qs_b, like_scales_b, Y, xq,
+                xsum, xs, item_matrix, item_block, per, done, counter, total):
+    """Thread t's share of _q_products' work items (`waste.kernels.steal`): the first format's
+    (ranges `words`, items 0 .. first - 1), then the other's (`words_b`, items first ..). With a
+    `done` array, each item taken adds one to done[counter] -> whether this thread did the last
+    of `total` (another stage may then start: `waste.kernels.moe._moe_one_token`)."""
+    last = False
+    cursor = np.zeros(1, np.int64)
+    i = next_item(words, t, cursor)
+    while i >= 0:
+        _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i], per)
+        if done.size and fetch_add(done, counter, 1) == total - 1:
+            last = True
         i = next_item(words, t, cursor)
-        while i >= 0:
-            _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, item_matrix[i], item_block[i],
-                         per)
-            i = next_item(words, t, cursor)
-        cursor[0] = 0
+    cursor[0] = 0
+    i = next_item(words_b, t, cursor)
+    while i >= 0:
+        _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[first + i],
+                     item_block[first + i], per)
+        if done.size and fetch_add(done, counter, 1) == total - 1:
+            last = True
         i = next_item(words_b, t, cursor)
-        while i >= 0:
-            _matrix_rows(rows, table, tscales, like_qs_b, like_scales_b, Y, xq, xsum, xs, item_matrix[first + i],
-                         item_block[first + i], per)
-            i = next_item(words_b, t, cursor)
+    return last
 
 
 @kernel
