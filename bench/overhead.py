@@ -29,7 +29,7 @@ from typing import Any
 import common
 import numpy as np
 
-import waste.kernels.moe as moe_kernels
+import waste.kernels.moe_step as moe_kernels
 from waste.container import open_container
 from waste.engine.model import Model, check_finite
 from waste.engine.moe_layer import MoELayer

@@ -214,7 +214,7 @@ def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, mo
     a decode. (Only kernels called from Python are recorded: a stand-in for one that compiled
     code calls would break that code's compilation.)"""
     from waste.engine.expert_store import MmapExpertStore
-    from waste.kernels import moe
+    from waste.kernels import moe_step
 
     class Unmapped(MmapExpertStore):
         maps_every_expert = False
@@ -222,7 +222,7 @@ def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, mo
     argument_types: dict[str, set[tuple]] = {}
 
     def recording(name: str):  # noqa: ANN202 - the kernel's stand-in
-        kernel = getattr(moe, name)
+        kernel = getattr(moe_step, name)
 
         def record(*args):  # noqa: ANN002, ANN202
             argument_types.setdefault(name, set()).add(tuple(numba.typeof(a) for a in args))
@@ -230,7 +230,7 @@ def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, mo
         return record
 
     for kernel_name in ("_moe_one_token", "_dense_moe_one_token"):
-        monkeypatch.setattr(moe, kernel_name, recording(kernel_name))
+        monkeypatch.setattr(moe_step, kernel_name, recording(kernel_name))
 
     path = tiny_container(tmp_path_factory.mktemp("tables"), preset=preset, quant=quant)
     with open_container(path) as c:

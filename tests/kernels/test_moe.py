@@ -11,9 +11,8 @@ import pytest
 from conftest import assert_close
 
 from waste.errors import WasteError
-from waste.kernels import moe
+from waste.kernels import moe_step
 from waste.kernels.moe import (
-    ExpertTables,
     add_weighted,
     gated_experts,
     gated_experts_one_token,
@@ -22,6 +21,7 @@ from waste.kernels.moe import (
     situ_mlp,
     swiglu,
 )
+from waste.kernels.moe_step import ExpertTables
 from waste.kernels.quant import quantize
 from waste.kernels.routing import route, router_logits
 from waste.reference import k3 as k3ref
@@ -193,7 +193,7 @@ def test_expert_tables_route_and_sum_equals_routing_then_summing(routed: str, sh
     chosen expert has no rows, the routing alone, and no sum. The q formats' call is one
     parallel region whatever the threads it is given (3: more than the cores, whose work the
     others take: `waste.kernels.steal`)."""
-    monkeypatch.setattr(moe, "num_threads", lambda: threads)
+    monkeypatch.setattr(moe_step, "num_threads", lambda: threads)
     rng = np.random.default_rng(61)
     E, k, D, I = 21, 4, 96, 64  # 21 experts: router work items of 8, 8 and 5
     experts = _experts(rng, routed, E, I, D)

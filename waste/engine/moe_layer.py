@@ -16,7 +16,7 @@ for all of them (`waste.kernels.moe.gated_experts_one_token`; with the shared ex
 weighted sum when all are ready, `gated_experts_sum_one_token`), and each later one as it
 arrives. A store that maps every expert (`maps_every_expert`: the memory map) is asked only to
 count a decode step's request once the layer holds the step's experts as rows of that call's
-tables (`waste.kernels.moe.ExpertTables`, filled as experts first come through `fetch`): the
+tables (`waste.kernels.moe_step.ExpertTables`, filled as experts first come through `fetch`): the
 step then routes and runs its experts in one kernel call (`ExpertTables.route_and_sum`).
 
 Every MLP here (dense, shared and routed experts) is gated: down(act(gate x, up x)), with
@@ -39,7 +39,6 @@ from waste.config import ModelConfig
 from waste.engine.expert_cache import Expert
 from waste.errors import WasteError
 from waste.kernels.moe import (
-    ExpertTables,
     add_weighted,
     gated_experts,
     gated_experts_one_token,
@@ -48,6 +47,7 @@ from waste.kernels.moe import (
     situ_mlp,
     swiglu,
 )
+from waste.kernels.moe_step import ExpertTables
 from waste.kernels.quant import QMatrix
 from waste.kernels.routing import ROUTER_WEIGHTS, check_routing, route_checked, router_logits
 

@@ -493,7 +493,7 @@ class DenseBatch:
 
 def dense_table(matrices: Sequence[Any]) -> np.ndarray:
     """[M, 2] int64: each f32 or bf16 QMatrix's weights address and row count, as
-    `_dense_products` reads them. Writable, as the tables `waste.kernels.moe.ExpertTables`
+    `_dense_products` reads them. Writable, as the tables `waste.kernels.moe_step.ExpertTables`
     gathers from: a kernel given both compiles once, not once per array type."""
     return np.frombuffer(bytearray(b"".join([m._drow for m in matrices])), np.int64).reshape(-1, 2)
 

@@ -485,7 +485,7 @@ def _take_items(t, words, words_b, first, rows, table, tscales, like_qs, like_sc
     """Thread t's share of _q_products' work items (`waste.kernels.steal`): the first format's
     (ranges `words`, items 0 .. first - 1), then the other's (`words_b`, items first ..). With a
     `done` array, each item taken adds one to done[counter] -> whether this thread did the last
-    of `total` (another stage may then start: `waste.kernels.moe._moe_one_token`)."""
+    of `total` (another stage may then start: `waste.kernels.moe_step._moe_one_token`)."""
     last = False
     cursor = np.zeros(1, np.int64)
     i = next_item(words, t, cursor)

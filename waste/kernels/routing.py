@@ -94,7 +94,7 @@ PARALLEL_ROUTER_WORK = 1 << 20
 @kernel
 def _router_rows(x, weight, out, t, e0, e1):
     """out[t, e] = x[t] . weight[e] for experts e0 <= e < e1 (a decode step's router splits its
-    experts between threads: `waste.kernels.moe._moe_one_token`)."""
+    experts between threads: `waste.kernels.moe_step._moe_one_token`)."""
     for e in range(e0, e1):
         acc = np.float32(0.0)
         for i in range(x.shape[1]):
