@@ -25,7 +25,7 @@ from conftest import max_rel_err
 
 from waste.errors import WasteError
 from waste.jit import kernel
-from waste.kernels import activations, int8_blocks, mxfp4
+from waste.kernels import activations, int8_blocks, mxfp4, qbatch
 from waste.kernels import quant as qk
 from waste.kernels.quant import QMatrix, from_buffers, quantize
 from waste.qformat import FORMATS, QMAX, bits_per_weight, buffer_layout
@@ -357,19 +357,19 @@ def test_q_products_equal_one_product_each(fmts: tuple[str, ...], M: int, N: int
                    fmts[int(rng.integers(len(fmts)))]) for shape in shapes]
     X = (rng.standard_normal((3, K)) * [[0.1], [1.0], [30.0]]).astype(np.float32)
     rows = rng.integers(0, 3, M)
-    Y = qk.q_products(X, ms, rows)
+    Y = qbatch.q_products(X, ms, rows)
     assert Y.shape == (M, max(n for n, _ in shapes)) and Y.dtype == np.float32
     for m, w in enumerate(ms):
         np.testing.assert_array_equal(Y[m, :w.shape[0]], w.matvec(X[rows[m]]))
-        np.testing.assert_array_equal(Y[m, :w.shape[0]], qk.QBatch([w])(X, rows[m:m + 1])[0, :w.shape[0]])
+        np.testing.assert_array_equal(Y[m, :w.shape[0]], qbatch.QBatch([w])(X, rows[m:m + 1])[0, :w.shape[0]])
     # Both drivers, the decode one and the spans one (one row per matrix), into NaN-filled outputs.
-    batch = qk.QBatch(ms)
+    batch = qbatch.QBatch(ms)
     Y_nan = np.full((M, 1, batch.width), np.nan, np.float32)
-    qk._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan,
+    qbatch._q_products(X, rows.astype(np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes, Y_nan,
                    2)
     Y_spans = np.full((M, batch.width), np.nan, np.float32)
     quantized = activations.quantized_activations(X, batch.likes[0].shape[1])
-    qk._q_spans(*quantized, rows.astype(np.int64), np.ones(M, np.int64), np.arange(M), batch.table, batch.tscales,
+    qbatch._q_spans(*quantized, rows.astype(np.int64), np.ones(M, np.int64), np.arange(M), batch.table, batch.tscales,
                 batch.first_format, *batch.likes, Y_spans, 2)
     for m, w in enumerate(ms):
         for out in (Y_nan[m, 0], Y_spans[m]):
@@ -391,14 +391,14 @@ def test_q_products_in_parallel_equal_one_product_each_whatever_the_threads(fmts
           for m, shape in enumerate(shapes)]
     X = rng.standard_normal((2, K)).astype(np.float32)
     rows = rng.integers(0, 2, len(ms)).astype(np.int64)
-    batch = qk.QBatch(ms)
+    batch = qbatch.QBatch(ms)
     assert sum(m.nbytes for m in ms) > 2 * qk.SERIAL_BYTES  # codes past SERIAL_BYTES: the parallel region
     expected = [w.matvec(X[rows[m]]) for m, w in enumerate(ms)]
     a = ms[0]
     b = quantize(rng.standard_normal(a.shape).astype(np.float32), a.fmt)
     for threads in (1, 2, 3, 5):
         Y = np.full((len(ms), 1, batch.width), np.nan, np.float32)
-        qk._q_products(X, rows, batch.table, batch.tscales, batch.first_format, *batch.likes, Y, threads)
+        qbatch._q_products(X, rows, batch.table, batch.tscales, batch.first_format, *batch.likes, Y, threads)
         for m, w in enumerate(ms):
             np.testing.assert_array_equal(Y[m, 0, :w.shape[0]], expected[m])
             assert np.isfinite(Y[m, 0, :batch.table[m, 2] * 16]).all()
@@ -426,10 +426,10 @@ def test_q_spans_equal_each_matrix_on_its_rows(fmts: tuple[str, ...], threads: i
     x_start = [int(rng.integers(0, R - n + 1)) for n in counts]
     y_start = np.concatenate([[0], np.cumsum(counts)[:-1]]) + 2  # rows 0-1 and the last two: no span's
     out_rows = sum(counts) + 4
-    batch = qk.QBatch(ms)
+    batch = qbatch.QBatch(ms)
     Y = np.full((out_rows, batch.width), np.nan, np.float32)
     quantized = activations.quantized_activations(X, batch.likes[0].shape[1])
-    qk._q_spans(*quantized, np.array(x_start), np.array(counts), y_start, batch.table, batch.tscales,
+    qbatch._q_spans(*quantized, np.array(x_start), np.array(counts), y_start, batch.table, batch.tscales,
                 batch.first_format, *batch.likes, Y, threads)
     written = np.zeros(Y.shape, bool)
     for m, w in enumerate(ms):
@@ -438,18 +438,18 @@ def test_q_spans_equal_each_matrix_on_its_rows(fmts: tuple[str, ...], threads: i
             np.testing.assert_array_equal(Y[b:b + n, :w.shape[0]], w.matmul(X[a:a + n]))
         written[b:b + n, :batch.table[m, 2] * 16] = True
     assert np.isfinite(Y[written]).all() and np.isnan(Y[~written]).all()
-    Z = qk.q_spans(X, ms, x_start, counts, y_start, out_rows)
+    Z = qbatch.q_spans(X, ms, x_start, counts, y_start, out_rows)
     np.testing.assert_array_equal(Z[written[:, :Z.shape[1]]], Y[:, :Z.shape[1]][written[:, :Z.shape[1]]])
 
 
 def test_q_spans_refuse_spans_outside_their_arrays() -> None:
     a = quantize(np.ones((16, 32)), "q8g")
     X = np.ones((4, 32), np.float32)
-    assert qk.q_spans(X, [a], [1], [3], [0], 3).shape == (3, 16)
+    assert qbatch.q_spans(X, [a], [1], [3], [0], 3).shape == (3, 16)
     for x_start, count, y_start, out_rows in (([2], [3], [0], 3), ([0], [3], [1], 3), ([-1], [1], [0], 1),
                                               ([0], [-1], [0], 1), ([0, 0], [1], [0], 1)):
         with pytest.raises(WasteError, match="spans of rows"):
-            qk.q_spans(X, [a], x_start, count, y_start, out_rows)
+            qbatch.q_spans(X, [a], x_start, count, y_start, out_rows)
 
 
 def test_q_products_refuse_other_matrices_and_bad_inputs() -> None:
@@ -457,14 +457,14 @@ def test_q_products_refuse_other_matrices_and_bad_inputs() -> None:
     a, b, c = (quantize(rng.standard_normal((16, 32)).astype(np.float32), f) for f in ("q8g", "q4g", "mxfp4"))
     wide = quantize(rng.standard_normal((16, 64)).astype(np.float32), "q8g")
     X = np.ones((1, 32), np.float32)
-    assert qk.batchable([a, b]) and qk.batchable([a, quantize(np.ones((48, 32)), "q8g")])
+    assert qbatch.batchable([a, b]) and qbatch.batchable([a, quantize(np.ones((48, 32)), "q8g")])
     for other in ([a, b, c], [a, wide], [quantize(np.ones((16, 32)), "f32")], [a, quantize(np.ones((16, 32)), "bf16")]):
-        assert not qk.batchable(other)
+        assert not qbatch.batchable(other)
         with pytest.raises(WasteError, match="at most two formats and one input width"):
-            qk.q_products(X, other, [0] * len(other))
+            qbatch.q_products(X, other, [0] * len(other))
     with pytest.raises(WasteError, match="row ids"):
-        qk.q_products(X, [a, a], [0, 1])
+        qbatch.q_products(X, [a, a], [0, 1])
     with pytest.raises(WasteError, match="row ids"):
-        qk.q_products(np.ones((1, 31), np.float32), [a], [0])
+        qbatch.q_products(np.ones((1, 31), np.float32), [a], [0])
     with pytest.raises(WasteError, match="row ids"):
-        qk.q_products(X, [a, a], [0, -1])
+        qbatch.q_products(X, [a, a], [0, -1])

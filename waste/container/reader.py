@@ -9,7 +9,8 @@ first time it is used (`expert`, or `check_expert` for a blob read into memory).
 hands out are read-only NumPy views over the memory maps, so a damaged file is reported by
 name instead of read as garbage; a model copies the trunk into memory on huge pages when it
 loads (`hold_trunk_in_memory`) and takes its views from the copy. `verify=False` skips the data
-CRCs (`--no-verify`), never the manifest's. `Container.verify()` reads every byte: every CRC, and that padding is zero.
+CRCs (`--no-verify`), never the manifest's. `Container.verify()` reads every byte: every CRC,
+and that padding is zero.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ from waste.kernels.kda import (
 from waste.kernels.kda_chunk import prefill_kda
 from waste.kernels.kda_decode import _deferred_decode_kernel, apply_pending, kda_scale, new_state
 from waste.kernels.kda_step import kda_decode_step, kda_decode_step_dense, sigmoid_into
-from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, batchable, matmul_pair
+from waste.kernels.qbatch import QBatch, batchable
+from waste.kernels.quant import Q_FORMATS, QMatrix, matmul_pair
 from waste.kernels.short_conv import _conv_step_kernel, conv_taps, short_conv_silu
 
 GetMatrix = Callable[[str], QMatrix]

@@ -195,8 +195,9 @@ def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbias
     """(model, runtime bytes): the model over `container`, after two prompt tokens and one decoded
     token went through it, which loads (or compiles) every kernel a run uses; and what the process
     then holds beyond the plan's other terms: its RSS less the container's mapped pages and its
-    trunk's copy in memory (the trunk term counts those) and the MLA weights. That is the interpreter, NumPy, Numba and
-    LLVM, the compiled kernels, the threads' stacks and whatever the model keeps besides.
+    trunk's copy in memory (the trunk term counts those) and the MLA weights. That is the
+    interpreter, NumPy, Numba and LLVM, the compiled kernels, the threads' stacks and whatever
+    the model keeps besides.
     The model's store caches nothing; give it the run's (`model.store = ...`)."""
     from waste.engine.experts import StreamingExpertStore
     from waste.engine.model import LayerTimes, Model

@@ -31,7 +31,8 @@ from waste.jit import num_threads
 from waste.kernels.mla import DECODE_BLOCK, decode_ranges, heads_dot, heads_times, mla_decode, mla_prefill
 from waste.kernels.mla_step import mla_decode_step
 from waste.kernels.norm import rms_norm
-from waste.kernels.quant import Q_FORMATS, QBatch, QMatrix, batchable
+from waste.kernels.qbatch import QBatch, batchable
+from waste.kernels.quant import Q_FORMATS, QMatrix
 
 GetMatrix = Callable[[str], QMatrix]
 GetTensor = Callable[[str], np.ndarray]

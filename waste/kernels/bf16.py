@@ -457,7 +457,7 @@ def dense_products(X: np.ndarray, matrices: Sequence[Any], rows: np.ndarray) -> 
 class DenseBatch:
     """Several f32 or bf16 matrices of one format and width, multiplied in one kernel call: on
     one row of X each (`__call__`, as `dense_products`) or on a run of rows each (`spans`), as
-    `waste.kernels.quant.QBatch` does for q formats."""
+    `waste.kernels.qbatch.QBatch` does for q formats."""
 
     def __init__(self, matrices: Sequence[Any]):
         fmt, k = matrices[0].fmt, matrices[0].shape[1]

@@ -20,7 +20,8 @@ from waste.kernels.bf16 import _dense_products, _operand_into, _run_blocks
 from waste.kernels.fastmath import fsigmoid
 from waste.kernels.kda import _gate_kernel, _gated_rmsnorm_kernel
 from waste.kernels.kda_decode import _deferred_decode_kernel
-from waste.kernels.quant import _q_product, _q_products
+from waste.kernels.qbatch import _q_products
+from waste.kernels.quant import _q_product
 from waste.kernels.serial import column_max
 from waste.kernels.short_conv import _conv_step_kernel
 from waste.qformat import ROWS

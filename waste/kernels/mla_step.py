@@ -17,7 +17,8 @@ import numpy as np
 from waste.jit import kernel
 from waste.kernels.mla import _decode, _heads_dot, _heads_times
 from waste.kernels.norm import _rms_norm_rows
-from waste.kernels.quant import _q_product, _q_products
+from waste.kernels.qbatch import _q_products
+from waste.kernels.quant import _q_product
 from waste.kernels.serial import column_max
 from waste.qformat import ROWS
 

@@ -27,13 +27,8 @@ from waste.kernels.bf16 import (
     operand_buffer,
     operand_mode,
 )
-from waste.kernels.quant import (
-    Q_FORMATS,
-    QBatch,
-    QMatrix,
-    _q_products,
-    matmul_pair,
-)
+from waste.kernels.qbatch import QBatch, _q_products
+from waste.kernels.quant import Q_FORMATS, QMatrix, matmul_pair
 from waste.kernels.serial import column_max, row_ids, zero_ids
 from waste.qformat import ROWS
 
@@ -360,7 +355,7 @@ def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatr
 
     Three kernel calls whatever the number of experts (a decode step's experts on its one token,
     or a prefill's on the tokens routed to each): every expert's gate and up products in one
-    parallel region (quant `_q_products` when every expert has one row, else `_q_spans`; each
+    parallel region (qbatch `_q_products` when every expert has one row, else `_q_spans`; each
     row of x quantised once; f32 or bf16 experts through bf16's `DenseBatch` alike), the
     activations, every down product in one more region. None when the experts are neither q
     matrices of one shape and at most two formats per projection (`run_together`) nor float

@@ -23,7 +23,8 @@ from waste.kernels.moe import (
     dense_together,
     run_together,
 )
-from waste.kernels.quant import ITEM_GROUPS, QBatch, QMatrix, _fill_items, _take_items
+from waste.kernels.qbatch import QBatch, _fill_items, _take_items
+from waste.kernels.quant import ITEM_GROUPS, QMatrix
 from waste.kernels.routing import _route, _router_rows, route_one_token
 from waste.kernels.serial import row_ids, zero_ids
 from waste.kernels.steal import LINE, fetch_add, new_ranges, next_item, set_ranges, wait_until

@@ -1,5 +1,5 @@
 """An integer address as a typed pointer in compiled code, for kernels that read matrices by
-address from a table (a batch of products in one call: `waste.kernels.quant`, `waste.kernels.bf16`)."""
+address from a table (a batch of products in one call: `waste.kernels.qbatch`, `waste.kernels.bf16`)."""
 
 from __future__ import annotations
 
