@@ -116,6 +116,7 @@ def bench_scheme(preset: str, quant: str, threads: int, args: argparse.Namespace
     path = common.mini_container(quant, args.cache_dir, preset=preset)
     rng = np.random.default_rng(0)
     with open_container(path) as c:
+        c.hold_experts_in_memory()  # as `waste run` does when the experts fit in RAM
         model = Model(c)
         prompt = rng.integers(0, model.config.vocab_size, args.prompt_len)
         t0 = time.perf_counter()
@@ -168,6 +169,7 @@ def sweep_chunks(preset: str, quant: str, args: argparse.Namespace) -> list[dict
     path = common.mini_container(quant, args.cache_dir, preset=preset)
     seconds: dict[int, list[float]] = {chunk: [] for chunk in args.sweep_chunks}
     with open_container(path) as c:
+        c.hold_experts_in_memory()  # as `waste run` does when the experts fit in RAM
         model = Model(c)
         prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_len)
         for chunk in args.sweep_chunks:  # warm-up: compile, fault the weights in

@@ -258,6 +258,8 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     opened = {s: open_container(p) for s, p in containers.items()}
+    for c in opened.values():
+        c.hold_experts_in_memory()  # as `waste run` does when the experts fit in RAM
     engines = {s: Model(c) for s, c in opened.items()}
     prompt = rng.integers(0, engines["f32"].config.vocab_size, args.prompt_len)
     for m in engines.values():

@@ -1,4 +1,5 @@
-"""Files the tools write and read: atomic replacement, safe directory installs, bounded reads.
+"""Files the tools write and read: atomic replacement, safe directory installs, bounded reads,
+positional reads into buffers (`pread_into`).
 
 Every output is written to a temporary name beside its destination and renamed into place
 (`write_atomic` for files, `install_dir` for a container or checkpoint directory), so a
@@ -22,6 +23,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+import numpy as np
 
 from waste.errors import WasteError
 
@@ -188,3 +191,26 @@ def install_dir(tmp: Path, out: Path, *, force: bool) -> None:
         raise
     if old is not None:
         remove_tree(old)
+
+
+def _os_pread_copy(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """preadv for platforms without it: one pread, then a copy."""
+    data = os.pread(fd, len(buffers[0]), offset)
+    buffers[0][: len(data)] = data
+    return len(data)
+
+
+# A module-level hook so tests can force the O_DIRECT fallback of a read.
+_preadv = getattr(os, "preadv", _os_pread_copy)
+
+
+def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Fill `buf` (a writable array) from `offset`, one positional read (more only if the kernel
+    returns short); EOFError when the file ends first."""
+    view = memoryview(buf)
+    done = 0
+    while done < len(view):
+        got = _preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise EOFError
+        done += got

@@ -104,6 +104,23 @@ def test_flipped_byte_in_an_expert(container: Path, capsys: pytest.CaptureFixtur
     assert f"experts.bin: CRC mismatch in model.layers.{layer}.block_sparse_moe.experts.6.w2.weight" in err
 
 
+def test_flipped_byte_in_an_expert_held_in_memory(container: Path) -> None:
+    """An expert copied into memory (hold_experts_in_memory) is checked on the copy, when first asked for."""
+    with open_container(container) as c:
+        layer = c.config.moe_layers[1]
+        offset, _ = c.expert_span(layer, 6)
+        w1_offset = c.manifest["experts"]["parts"][0]["offset"]
+    path = container / "experts.bin"
+    data = bytearray(path.read_bytes())
+    data[offset + w1_offset + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    with open_container(container) as c:
+        c.hold_experts_in_memory()
+        c.expert(layer, 5)
+        with pytest.raises(ContainerError, match=f"CRC mismatch in model.layers.{layer}.block_sparse_moe.experts.6.w1"):
+            c.expert(layer, 6)
+
+
 def test_flipped_byte_in_padding(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with open_container(container) as c:
         gaps = [(c.entry(a).offset + c.entry(a).nbytes, c.entry(b).offset, b)

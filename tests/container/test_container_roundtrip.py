@@ -129,6 +129,45 @@ def test_trunk_held_in_memory_serves_the_same_bytes_from_a_copy(tmp_path_factory
         assert c._trunk is trunk
 
 
+def test_experts_held_in_memory_serve_the_same_bytes_from_a_copy(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """hold_experts_in_memory: each expert asked for afterwards is read, on that first request,
+    into read-only anonymous memory (2 MiB aligned, for huge pages) at its offset in experts.bin,
+    and its views read the copy with the file's values; no page of the map is touched by it;
+    experts not asked for are not copied; views taken before keep the map; a second call
+    changes nothing."""
+    from waste.engine.memory import mapped_rss
+
+    out = tiny_container(tmp_path_factory)
+    with open_container(out) as c:
+        layer = c.config.moe_layers[0]
+        before = c.expert(layer, 3)
+        values = [m.dequantize() for m in before]
+        assert not c.experts_in_memory
+        c.hold_experts_in_memory()
+        copy = c._expert_copy
+        assert c.experts_in_memory and copy.ctypes.data % (2 << 20) == 0
+        assert copy.nbytes == (out / "experts.bin").stat().st_size
+        after = c.expert(layer, 3)
+        offset, nbytes = c.expert_span(layer, 3)
+        experts_bin = np.fromfile(out / "experts.bin", np.uint8)
+        assert np.array_equal(copy[offset:offset + nbytes], experts_bin[offset:offset + nbytes])
+        for m_before, m_after, v in zip(before, after, values, strict=True):
+            assert np.array_equal(m_after.dequantize(), v)
+            w = m_after.buffers["w"]
+            assert not w.flags.writeable and np.shares_memory(w, copy)
+            assert not np.shares_memory(m_before.buffers["w"], copy)
+        other, other_bytes = c.expert_span(layer, 4)
+        assert not copy[other:other + other_bytes].any()  # never asked for: never copied
+        mapped = mapped_rss([c.data_fds()[1]])  # expert 3's pages, read through the map before
+        for moe_layer in c.config.moe_layers:
+            for e in range(c.config.num_experts):
+                c.expert(moe_layer, e)
+        assert mapped_rss([c.data_fds()[1]]) == mapped  # the copies were read, not mapped
+        assert np.array_equal(copy, experts_bin)
+        c.hold_experts_in_memory()
+        assert c._expert_copy is copy
+
+
 def test_byte_counts_cover_the_trunk(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tiny_container(tmp_path_factory)
     with open_container(out) as c:

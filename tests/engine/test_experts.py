@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from waste import load_preset
+from waste import fileio, load_preset
 from waste.analysis.cache_sim import recorded, simulate
 from waste.container.reader import open_container
 from waste.engine import experts as ex
@@ -262,13 +262,13 @@ def test_request_larger_than_cache_reinserts_in_order_asked(tmp_path):
 def test_misses_are_read_in_disk_offset_order(tmp_path, monkeypatch):
     c = ExpertBlobContainer(tmp_path, seed=9)
     offsets = []
-    real = read_buffers._preadv
+    real = fileio._preadv
 
     def spy(fd, bufs, offset):
         offsets.append(offset)
         return real(fd, bufs, offset)
 
-    monkeypatch.setattr(read_buffers, "_preadv", spy)
+    monkeypatch.setattr(fileio, "_preadv", spy)
     with StreamingExpertStore(c, 0, "lru", read_threads=1) as store:
         ids = [0, 1, 2, 3, 4, 5, 6, 7]
         store.get(4, ids)
@@ -337,7 +337,7 @@ def test_direct_io_open_refused_falls_back(tmp_path, monkeypatch):
 
 def test_direct_io_read_einval_falls_back(tmp_path, monkeypatch):
     c = ExpertBlobContainer(tmp_path, seed=14)
-    real_open, real_preadv = os.open, read_buffers._preadv
+    real_open, real_preadv = os.open, fileio._preadv
     flag = getattr(os, "O_DIRECT", 0x4000)
     direct_fds = set()
 
@@ -355,7 +355,7 @@ def test_direct_io_read_einval_falls_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "O_DIRECT", flag, raising=False)
     monkeypatch.setattr(ex, "_os_open", fake_direct_open)
-    monkeypatch.setattr(read_buffers, "_preadv", einval_on_direct)
+    monkeypatch.setattr(fileio, "_preadv", einval_on_direct)
     with StreamingExpertStore(c, 4 * PAGE, "lru", read_threads=4, io="direct") as store:
         assert store.io_mode == "direct"
         _assert_weights(c, 3, [0, 2, 4, 5, 7], store.get(3, [0, 2, 4, 5, 7]))

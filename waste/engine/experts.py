@@ -70,9 +70,10 @@ import numpy as np
 from waste.container.format import EXPERTS
 from waste.engine.expert_cache import POLICIES, Entry, ExpertCache
 from waste.engine.expert_store import Arrivals, Expert, ExpertStore, MmapExpertStore
-from waste.engine.read_buffers import SPARE_BUFFERS, PageCacheReads, SpareBuffers, pread_into
+from waste.engine.read_buffers import SPARE_BUFFERS, PageCacheReads, SpareBuffers
 from waste.errors import WasteError
 from waste.expert_io import DEFAULT_IO, IO_MODES
+from waste.fileio import pread_into
 
 # MoE layers a decode step guesses ahead. On the 48B q4 container from disk (2026-12-01, Xeon,
 # 18 GiB cache, 1.9 GB/s disk) a steady decode step took 259-298 ms unguessed, 253 guessing

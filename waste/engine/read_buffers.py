@@ -80,28 +80,6 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
-def _os_pread_copy(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """preadv for platforms without it: one pread, then a copy."""
-    data = os.pread(fd, len(buffers[0]), offset)
-    buffers[0][: len(data)] = data
-    return len(data)
-
-
-# A module-level hook so tests can force the O_DIRECT fallback of a read.
-_preadv = getattr(os, "preadv", _os_pread_copy)
-
-
-def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
-    """Fill `buf` from `offset`, one positional read (more only if the kernel returns short)."""
-    view = memoryview(buf)
-    done = 0
-    while done < len(view):
-        got = _preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise EOFError
-        done += got
-
-
 # madvise advice (Linux 5.14) that faults a range of a map in, reading what the page cache
 # lacks, without touching the memory from user space; Python's mmap module does not name it.
 MADV_POPULATE_READ = 22
