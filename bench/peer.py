@@ -42,7 +42,7 @@ import numba
 import numpy as np
 from engine import run_round, weight_bytes_per_token
 
-from waste.analysis.budget import copy_bandwidth
+from waste.analysis.budget import copy_bandwidth, copy_buffers
 from waste.container import open_container
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, Model
 from waste.engine.runner import generate
@@ -64,6 +64,7 @@ FORMATS: list[tuple[str, str, tuple[str, list[str] | str]]] = [
      ("quantize", [a for t in EXPERT_TENSORS for a in ("--tensor-type", f"{t}=q4_0")] + ["Q8_0"])),
     ("all Q4_0 (llama.cpp's default recipe) vs q4all", "q4all", ("quantize", ["Q4_0"])),
 ]
+Q4_LABEL = FORMATS[3][0]  # the mixed q4 row: its decode is held against the copy bandwidth
 
 
 def log(msg: str) -> None:
@@ -203,7 +204,8 @@ def stats(values: list[float]) -> dict[str, float]:
 
 
 def targets(rows: dict[str, Any], q4_bandwidth_fraction: float) -> list[tuple[str, float, float]]:
-    """(issue #17 target, measured best ratio, required ratio)."""
+    """(issue #17 target, measured, required): the best ratios; the q4 bandwidth fraction as its
+    median over rounds, each round against the copy measured beside it."""
     def ratio(label: str, phase: str) -> float:
         return rows[label]["ratio"][phase]["best"]
 
@@ -214,7 +216,7 @@ def targets(rows: dict[str, Any], q4_bandwidth_fraction: float) -> list[tuple[st
            ("decode f32", ratio("f32", "decode"), 1.0),
            ("decode bf16", ratio("bf16", "decode"), 1.0),
            ("prefill bf16", ratio("bf16", "prefill"), 1.0),
-           ("q4 decode, fraction of copy bandwidth", q4_bandwidth_fraction, 0.85)]
+           ("q4 decode, fraction of the copy bandwidth beside it (median of rounds)", q4_bandwidth_fraction, 0.85)]
     out += [(f"prefill {label} (waste's default chunk)", ratio(label, "prefill"), 1.5) for label in labels]
     return out
 
@@ -265,18 +267,25 @@ def main() -> int:
     for m in engines.values():
         run_round(m, prompt[: min(64, args.prompt_len)], 2, DEFAULT_PREFILL_CHUNK)  # compile, fault in
     samples: dict[str, dict[str, list[float]]] = {label: {} for label, _, _ in FORMATS}
-    copies = [bandwidth["gbps"]]  # GB/s: before the rounds, then after each
+    # The copy bound measured beside waste's q4 decode in every round, as the decodes are: this
+    # host's copy bandwidth moved 34-74 GB/s within one run, so a single figure from the start
+    # swung the fraction from 68% to 115% between runs. Each round's is the better of a copy
+    # just before and one just after the q4 round; the buffers are made once (new memory costs
+    # this VM seconds per GB).
+    buffers = copy_buffers()
+    copies = [bandwidth["gbps"]]  # GB/s: before the rounds, then one per round
     t0 = time.time()
     for r in range(args.rounds):
         for label, scheme, _ in FORMATS:
             s = samples[label]
             s.setdefault("llama_prefill", []).append(llama_bench(bin_dir, models[label], args, "prefill"))
             s.setdefault("llama_decode", []).append(llama_bench(bin_dir, models[label], args, "decode"))
+            if label == Q4_LABEL:  # the copy bound just before waste's q4 round (and just after, below)
+                before = copy_bandwidth(rounds=3, threads=args.threads, buffers=buffers)["gbps"]
             for k, v in waste_round(engines[scheme], prompt, args).items():
                 s.setdefault(f"waste_{k}", []).append(v)
-        # The copy bound measured in every round, as the decodes are: this host's bandwidth moves
-        # by a fifth within minutes, and a single figure from the start flattered or hid the ratio.
-        copies.append(copy_bandwidth(rounds=3, threads=args.threads)["gbps"])
+            if label == Q4_LABEL:
+                copies.append(max(before, copy_bandwidth(rounds=3, threads=args.threads, buffers=buffers)["gbps"]))
         log(f"round {r + 1}/{args.rounds} done ({time.time() - t0:.0f} s)")
     q4_bytes = weight_bytes_per_token(engines["q4"])
     for c in opened.values():
@@ -297,9 +306,9 @@ def main() -> int:
                              "paired_quartiles": [float(q) for q in np.percentile(paired, [25, 75])]}
         rows[label] = {"waste_scheme": scheme, "gguf": models[label].name,
                        **{k: stats(v) for k, v in s.items()}, "ratio": ratios}
-    q4_gbps = sum(q4_bytes.values()) * np.array(samples[FORMATS[3][0]]["waste_decode"]) / 1e9  # per round
-    q4_fraction = float(q4_gbps.max() / max(copies))  # the best decode against the best copy
+    q4_gbps = sum(q4_bytes.values()) * np.array(samples[Q4_LABEL]["waste_decode"]) / 1e9  # per round
     q4_paired = float(np.median(q4_gbps / np.array(copies[1:])))  # each round's decode against its copy
+    q4_best = float(q4_gbps.max() / max(copies))  # the best decode against the best copy of the run
 
     table = [[label, f"{r['ratio']['prefill']['best']:.2f} / {r['ratio']['prefill']['median']:.2f}",
               f"{r['ratio']['prefill_one_chunk']['best']:.2f} / {r['ratio']['prefill_one_chunk']['median']:.2f}",
@@ -314,11 +323,11 @@ def main() -> int:
                                f"prefill (one chunk of {args.prompt_len})", "decode", "decode paired",
                                "prefill tok/s w / l",
                                "decode tok/s w / l"], table))
-    print(f"q4 decode reads {sum(q4_bytes.values()) / 1e6:.1f} MB of weights a token: best {q4_gbps.max():.1f} GB/s, "
-          f"{100 * q4_fraction:.0f}% of the best copy bandwidth ({max(copies):.1f} GB/s; copies "
-          f"{min(copies):.1f}-{max(copies):.1f} GB/s, one per round); paired with each round's copy, median "
-          f"{100 * q4_paired:.0f}%")
-    met = targets(rows, q4_fraction)
+    print(f"q4 decode reads {sum(q4_bytes.values()) / 1e6:.1f} MB of weights a token: against the copy "
+          f"bandwidth measured beside it in the same round, median {100 * q4_paired:.0f}% (copies "
+          f"{min(copies[1:]):.1f}-{max(copies[1:]):.1f} GB/s); the best decode ({q4_gbps.max():.1f} GB/s) against "
+          f"the best copy of the run ({max(copies):.1f} GB/s): {100 * q4_best:.0f}%")
+    met = targets(rows, q4_paired)
     print("\nissue #17 targets:")
     for name, value, need in met:
         print(f"  {'met    ' if value >= need else 'NOT met'}  {name}: {value:.2f} (needs {need:.2f})")
@@ -329,7 +338,7 @@ def main() -> int:
         "threads": args.threads, "prompt_len": args.prompt_len, "new": args.new, "rounds": args.rounds,
         "waste_default_prefill_chunk": DEFAULT_PREFILL_CHUNK, "copy_bandwidth": bandwidth,
         "agreement_f32": check, "formats": rows, "copy_bandwidth_per_round_gbps": copies[1:],
-        "q4_fraction_of_copy_bandwidth": q4_fraction, "q4_fraction_of_copy_bandwidth_paired_median": q4_paired,
+        "q4_fraction_of_copy_bandwidth_paired_median": q4_paired, "q4_best_decode_over_best_copy": q4_best,
         "targets": [{"target": n, "measured": v, "required": q, "met": v >= q} for n, v, q in met],
     })  # write_json says where
     return 0

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from waste.analysis import budget
@@ -10,6 +11,7 @@ from waste.analysis.budget import (
     budget_summary,
     cache_fraction,
     copy_bandwidth,
+    copy_buffers,
     crossover_context,
     decode_speed_bound,
     plan_breakdown,
@@ -173,6 +175,15 @@ def test_copy_bandwidth_on_threads() -> None:
     assert result["threads"] == 3 and result["gbps"] > 0
     with pytest.raises(WasteError):
         copy_bandwidth(4 << 20, threads=0)
+
+
+def test_copy_bandwidth_reuses_given_buffers() -> None:
+    """With buffers from copy_buffers, the copy measures those (their size, whatever nbytes says)
+    and leaves the destination equal to the source."""
+    src, dst = copy_buffers(1 << 20)
+    result = copy_bandwidth(64 << 20, rounds=2, threads=2, buffers=(src, dst))
+    assert result["buffer_bytes"] == 1 << 20 and result["gbps"] > 0
+    assert np.array_equal(src, dst)
 
 
 def test_load_scale_bench(tmp_path) -> None:

@@ -90,15 +90,22 @@ def test_flipped_byte_in_a_tensor(container: Path, capsys: pytest.CaptureFixture
     assert f"trunk.bin: CRC mismatch in tensor {NAME!r}" in err
 
 
-def test_flipped_byte_in_an_expert(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _flip_expert_byte(container: Path, part: int, byte: int, mask: int) -> int:
+    """XOR `mask` into byte `byte` of part `part` (0 w1, 1 w3, 2 w2) of expert 6 of the second MoE
+    layer in experts.bin -> that layer."""
     with open_container(container) as c:
         layer = c.config.moe_layers[1]
-        offset, nbytes = c.expert_span(layer, 6)
-        w2_offset = c.manifest["experts"]["parts"][2]["offset"]
+        offset, _ = c.expert_span(layer, 6)
+        part_offset = c.manifest["experts"]["parts"][part]["offset"]
     path = container / "experts.bin"
     data = bytearray(path.read_bytes())
-    data[offset + w2_offset + 8] ^= 0x01
+    data[offset + part_offset + byte] ^= mask
     path.write_bytes(bytes(data))
+    return layer
+
+
+def test_flipped_byte_in_an_expert(container: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layer = _flip_expert_byte(container, 2, 8, 0x01)
     code, err = run_cli(capsys, "verify", str(container))
     assert code == 2
     assert f"experts.bin: CRC mismatch in model.layers.{layer}.block_sparse_moe.experts.6.w2.weight" in err
@@ -106,14 +113,7 @@ def test_flipped_byte_in_an_expert(container: Path, capsys: pytest.CaptureFixtur
 
 def test_flipped_byte_in_an_expert_held_in_memory(container: Path) -> None:
     """An expert copied into memory (hold_experts_in_memory) is checked on the copy, when first asked for."""
-    with open_container(container) as c:
-        layer = c.config.moe_layers[1]
-        offset, _ = c.expert_span(layer, 6)
-        w1_offset = c.manifest["experts"]["parts"][0]["offset"]
-    path = container / "experts.bin"
-    data = bytearray(path.read_bytes())
-    data[offset + w1_offset + 3] ^= 0x10
-    path.write_bytes(bytes(data))
+    layer = _flip_expert_byte(container, 0, 3, 0x10)
     with open_container(container) as c:
         c.hold_experts_in_memory()
         c.expert(layer, 5)

@@ -115,17 +115,24 @@ class DecodeBound:
         return "nvme" if self.nvme_seconds >= self.memory_seconds else "memory"
 
 
-def copy_bandwidth(nbytes: int = 512 << 20, rounds: int = 5, threads: int = 1) -> dict[str, float]:
+def copy_buffers(nbytes: int = 512 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) float32 buffers of `nbytes` for `copy_bandwidth`, to measure the copy
+    again and again without new memory each time (on some VMs new memory costs seconds per GB)."""
+    src = np.ones(nbytes // 4, np.float32)
+    return src, np.empty_like(src)
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, rounds: int = 5, threads: int = 1,
+                   buffers: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, float]:
     """This machine's memory copy bandwidth on `threads` cores: the best of `rounds` copies of a
-    float32 buffer of `nbytes`, split into `threads` slices copied at once (np.copyto releases the
-    GIL), counting the bytes read plus the bytes written (2 * nbytes per copy):
-    {buffer_bytes, threads, best_seconds, gbps}. A measured stand-in for `mem_gbps`; a kernel's
-    bandwidth is compared with the copy on as many threads as the kernel ran on, since one core
-    alone may not reach what two do."""
+    float32 buffer of `nbytes` (or of `buffers`, from `copy_buffers`), split into `threads`
+    slices copied at once (np.copyto releases the GIL), counting the bytes read plus the bytes
+    written (2 * nbytes per copy): {buffer_bytes, threads, best_seconds, gbps}. A measured
+    stand-in for `mem_gbps`; a kernel's bandwidth is compared with the copy on as many threads as
+    the kernel ran on, since one core alone may not reach what two do."""
     if threads < 1:
         raise WasteError(f"threads must be at least 1, got {threads}")
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
+    src, dst = buffers if buffers is not None else copy_buffers(nbytes)
     edges = np.linspace(0, src.size, threads + 1).astype(np.int64)
     parts = [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
