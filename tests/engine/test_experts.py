@@ -514,3 +514,15 @@ def test_blobs_too_large_to_cache_are_let_go(tmp_path, io):
             assert released == {c.expert_span(1, e)[0] for e in range(4)}
         else:
             assert store._spare.reused == 2
+
+
+def test_aligned_buffer_is_page_aligned_zeroed_and_writable():
+    """A fresh read buffer: page-aligned (O_DIRECT), writable, zero (its pages faulted in by
+    whatever first touches them, the read); a size of 0 or less is refused."""
+    buf = read_buffers.aligned_buffer(3 * mmap.PAGESIZE)
+    assert buf.ctypes.data % mmap.PAGESIZE == 0 and buf.flags.writeable and buf.nbytes == 3 * mmap.PAGESIZE
+    assert not buf.any()
+    buf[:] = 7
+    assert (buf == 7).all()
+    with pytest.raises(WasteError, match="must be positive"):
+        read_buffers.aligned_buffer(0)

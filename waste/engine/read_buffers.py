@@ -1,5 +1,5 @@
 """Where the streaming expert store reads blobs to: page-aligned anonymous buffers (fresh ones
-populated by the map call, evicted ones reused once nothing refers to them) filled by a
+faulted in by the read itself, evicted ones reused once nothing refers to them) filled by a
 positional read, or the page cache under the container's own memory map (`PageCacheReads`)."""
 
 from __future__ import annotations
@@ -16,12 +16,6 @@ import numpy as np
 
 from waste.errors import WasteError
 
-# Pages of the map faulted in by the mmap call itself rather than one by one by the read: on
-# this 2-core VM a fresh 4 MB blob buffer cost 8 ms of page faults, 2.8 ms populated (a 4 MB
-# read takes about 4 ms), CPU time the reader threads take from the kernels.
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
 # Spare read buffers kept for reuse: a decode step misses a few experts per layer, and evicts as
 # many. At most this many wait, fewer than the routed experts of one layer that the memory plan
 # counts as working memory (`waste.engine.memory`), so they fit in the plan.
@@ -31,8 +25,8 @@ SPARE_BUFFERS = 16
 class SpareBuffers:
     """Evicted read buffers, reused for reads of the same size once unreferenced.
 
-    A fresh 4 MB buffer costs 2.8 ms of CPU to fault in even populated (see _POPULATE), most of
-    what its read takes, and the reader threads take that CPU from the kernels. A buffer is reused
+    A fresh 4 MB buffer costs 3-13 ms of CPU to fault in (see `aligned_buffer`), as much as its
+    read takes or more, and the reader threads take that CPU from the kernels. A buffer is reused
     only when nothing but this pool refers to its memory: every array over it (the cache entry's,
     the expert views handed out, their views) holds a reference to the map through the array
     `frombuffer` made, so the map's reference count tells. Buffers still referenced wait; past
@@ -73,10 +67,19 @@ class SpareBuffers:
 def aligned_buffer(nbytes: int) -> np.ndarray:
     """A writable [nbytes] uint8 buffer starting on a page boundary (O_DIRECT needs the
     address aligned); an anonymous map is page-aligned and wastes nothing when the blob
-    size is a multiple of the page size, as container blobs are."""
+    size is a multiple of the page size, as container blobs are.
+
+    Its pages are left to the read that fills it (an O_DIRECT read faults them in inside the
+    kernel as it pins them). Populating them at the map call (MAP_POPULATE) was the default from
+    2026-11-30 (a 2-core VM: a fresh 4 MB buffer 8 ms of faults one by one, 2.8 ms populated) to
+    2026-12-03, when on the 2-core Zen 5 EPYC guest 3.2 GB read with O_DIRECT into fresh 3.75 MB
+    buffers, three alternating rounds, cost 2.3-3.4 s of system CPU per GB populated against
+    0.8-1.1 left to the read (9.7-12.9 s against 4.7-5.5 s of wall time); with huge pages
+    (MADV_HUGEPAGE per buffer, or 2 MiB-aligned slabs of 16 buffers) 1.4-2.2; buffered reads
+    from the page cache 0.7 against 0.8."""
     if nbytes <= 0:
         raise WasteError(f"expert blob size must be positive, got {nbytes}")
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _POPULATE
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
