@@ -526,3 +526,26 @@ def test_aligned_buffer_is_page_aligned_zeroed_and_writable():
     assert (buf == 7).all()
     with pytest.raises(WasteError, match="must be positive"):
         read_buffers.aligned_buffer(0)
+
+
+def test_a_prefill_reuses_the_buffers_it_evicts(tmp_path_factory, monkeypatch):
+    """A prefill pass's touch phase evicts a whole layer's blobs at once; they are kept and serve
+    the next layer's reads, so the fresh buffers a prefill takes stay within the cache's blobs plus
+    one layer's (keeping 16 let the rest go: at 48 experts a layer, most reads took a fresh one)."""
+    from waste.engine.model import Model
+
+    path = tiny_container(tmp_path_factory, quant="q4", overrides={"num_experts": 48})
+    fresh = []
+    real = read_buffers.aligned_buffer
+    monkeypatch.setattr(read_buffers, "aligned_buffer", lambda n: fresh.append(n) or real(n))
+    with open_container(path) as c:
+        cfg = c.config
+        blob = c.expert_span(cfg.moe_layers[0], 0)[1]
+        cached = len(cfg.moe_layers) * cfg.num_experts // 2  # blobs the budget holds
+        with StreamingExpertStore(c, cached * blob, "lru", read_threads=2) as store:
+            model = Model(c, store=store)
+            prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 200)]
+            model.prefill(model.new_session(len(prompt)), prompt, all_logits=False)
+            reads = store.stats.total.misses
+    assert reads > cached + cfg.num_experts  # the pass evicted more than a layer's worth
+    assert len(fresh) <= cached + cfg.num_experts, (len(fresh), reads)

@@ -70,11 +70,13 @@ import numpy as np
 from waste.container.format import EXPERTS
 from waste.engine.expert_cache import POLICIES, Entry, ExpertCache
 from waste.engine.expert_store import Arrivals, Expert, ExpertStore, MmapExpertStore
-from waste.engine.read_buffers import SPARE_BUFFERS, PageCacheReads, SpareBuffers
+from waste.engine.read_buffers import PageCacheReads, SpareBuffers
 from waste.errors import WasteError
 from waste.expert_io import DEFAULT_IO, IO_MODES
 from waste.fileio import pread_into
 
+# Spare read buffers kept at least (`StreamingExpertStore`): a decode step misses a few experts per layer.
+SPARE_BUFFERS = 16
 # MoE layers a decode step guesses ahead. On the 48B q4 container from disk (2026-12-01, Xeon,
 # 18 GiB cache, 1.9 GB/s disk) a steady decode step took 259-298 ms unguessed, 253 guessing
 # one layer ahead, 199 two and 204 three (85-88% of the misses guessed at each depth).
@@ -113,7 +115,13 @@ class StreamingExpertStore(ExpertStore):
         self._expert_bytes = sum(int(container.expert_span(layer, e)[1]) for layer in self._moe_layers
                                  for e in range(self._num_experts))
         self._verify = bool(container.verify_data)
-        self._spare = SpareBuffers(SPARE_BUFFERS)
+        # Evicted buffers wait for reuse, as many as one layer has experts: a prefill pass's touch
+        # phase evicts as many blobs as it inserts, up to a whole layer's, after its reads took as
+        # many buffers. Kept, they serve the next layer's reads; 16 kept (until 2026-12-03) let the
+        # rest go, and the next layer faulted in fresh ones (a `mini` prefill at half the experts
+        # cached: 400 fresh buffers for 448 reads into a cache of 224). The memory plan counts a
+        # layer's experts as working memory, and the spares never exceed the largest touch.
+        self._spare = SpareBuffers(max(SPARE_BUFFERS, self._num_experts))
         self._page_cache = PageCacheReads(container) if io == "page-cache" else None
         self._cache = ExpertCache(self.budget_bytes, policy, self._evicted)
         self._lock = threading.Lock()

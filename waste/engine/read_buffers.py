@@ -16,11 +16,6 @@ import numpy as np
 
 from waste.errors import WasteError
 
-# Spare read buffers kept for reuse: a decode step misses a few experts per layer, and evicts as
-# many. At most this many wait, fewer than the routed experts of one layer that the memory plan
-# counts as working memory (`waste.engine.memory`), so they fit in the plan.
-SPARE_BUFFERS = 16
-
 
 class SpareBuffers:
     """Evicted read buffers, reused for reads of the same size once unreferenced.
