@@ -20,5 +20,7 @@ def test_sizes():
     assert parse_size("24G") == parse_size("24GiB") == 24 << 30
     assert parse_size("512M") == 512 << 20 and parse_size("100") == 100
     assert human_bytes(434110464) == "414 MiB" and human_bytes(30523392) == "29.1 MiB"
+    assert human_bytes(1010 << 20) == "1010 MiB" and human_bytes(1023 << 20) == "1023 MiB"
+    assert human_bytes(999.4 * (1 << 20)) == "999 MiB" and human_bytes(1 << 30) == "1 GiB"
     with pytest.raises(WasteError):
         parse_size("big")

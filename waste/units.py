@@ -45,7 +45,8 @@ def human_bytes(n: float) -> str:
         if abs(value) < 1024 or unit == "PiB":
             if unit == "B":
                 return f"{int(value)} B"
-            return f"{value:.3g} {unit}"
+            # Three figures, but 1000-1023 in four ("{:.3g}" wrote 1010 MiB as "1.01e+03 MiB").
+            return f"{value:.0f} {unit}" if abs(value) >= 999.5 else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

@@ -168,6 +168,28 @@ def test_experts_held_in_memory_serve_the_same_bytes_from_a_copy(tmp_path_factor
         assert c._expert_copy is copy
 
 
+def test_mxfp4_experts_are_not_held_twice(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """MXFP4 experts are repacked into process memory when first used (QMatrix): holding them in
+    memory as well would hold them twice, so hold_experts_in_memory leaves them on the map, and
+    the map's pages of a repacked expert leave the process."""
+    out = tiny_container(tmp_path_factory, preset="k3-tiny", overrides={"text_config": {"num_experts": 64}})
+    with open_container(out) as c:
+        assert c.expert_storage == "mxfp4"
+        c.hold_experts_in_memory()
+        assert not c.experts_in_memory and c._expert_copy is None
+        w1 = c.expert(c.config.moe_layers[0], 0)[0]
+        assert w1.fmt == "mxfp4" and np.shares_memory(w1.buffers["packed"], c._experts)  # the map's
+        from waste.engine.memory import mapped_rss
+
+        for layer in c.config.moe_layers:
+            for e in range(c.config.num_experts):
+                c.expert(layer, e)
+        # Each repacked expert's pages left the process; what may stay is the kernel's
+        # fault-around (16 pages) of the last one's neighbours.
+        assert (out / "experts.bin").stat().st_size > 8 * (64 << 10)
+        assert mapped_rss([c.data_fds()[1]]) <= 64 << 10
+
+
 def test_byte_counts_cover_the_trunk(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tiny_container(tmp_path_factory)
     with open_container(out) as c:

@@ -225,8 +225,10 @@ class Container:
         q8 (EPYC, 2026-12-03) a decode step 1.02-1.04x faster in one process. Only for experts
         that fit: a copy of experts larger than RAM would be swapped or killed where the map's
         pages are simply dropped (`waste run` holds them only when the memory plan says they
-        fit). `experts_view` still views the map. Idempotent."""
-        if self._expert_copy is not None or self._experts.size == 0:
+        fit). `experts_view` still views the map. Idempotent. Nothing for MXFP4 experts: their
+        products read a repacked copy in process memory already (`waste.kernels.quant.QMatrix`),
+        and a second copy would hold them twice."""
+        if self._expert_copy is not None or self._experts.size == 0 or self.expert_storage == "mxfp4":
             return
         self._expert_copy = huge_page_buffer(self._experts.nbytes)
         self._expert_copy_read = self._expert_copy.view()
@@ -369,12 +371,18 @@ class Container:
                     self.check_expert(layer, expert, blob)
                 self._expert_copied[li, expert] = True
             return self._decode(self._expert_copy_read, offset)
-        if not self._expert_checked[li, expert]:
+        first = not self._expert_checked[li, expert]
+        if first:
             self._check_size(EXPERTS, offset + nbytes)
             if self.verify_data:
                 self.check_expert(layer, expert, self._experts[offset:offset + nbytes])
             self._expert_checked[li, expert] = True
-        return self._decode(self._experts, offset)
+        views = self._decode(self._experts, offset)
+        if first and self.expert_storage == "mxfp4":
+            # Its products read the copy the QMatrix repacked: the map's pages leave the process
+            # (the page cache keeps them) instead of holding the expert twice.
+            self.advise_experts(offset, nbytes, mmap.MADV_DONTNEED)
+        return views
 
     @property
     def experts_fd(self) -> int:
