@@ -166,6 +166,7 @@ def test_experts_held_in_memory_serve_the_same_bytes_from_a_copy(tmp_path_factor
         assert np.array_equal(copy, experts_bin)
         c.hold_experts_in_memory()
         assert c._expert_copy is copy
+    assert c._expert_copy is None and c._expert_copy_read is None  # closed: the copy is let go
 
 
 def test_mxfp4_experts_are_not_held_twice(tmp_path_factory: pytest.TempPathFactory) -> None:

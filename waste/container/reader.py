@@ -464,7 +464,7 @@ class Container:
         """Release the memory maps (views still alive keep theirs until they are dropped)."""
         self._closed = True
         self._trunk = self._experts = np.zeros(0, np.uint8)
-        self._expert_copy = None
+        self._expert_copy = self._expert_copy_read = None
         for slot in self._watched:
             sigbus.unwatch(slot)  # before the unmapping: the addresses may be reused
         self._watched.clear()
