@@ -251,3 +251,20 @@ def test_refuses_to_overwrite_without_force(checkpoint: Path, tmp_path: Path,
     code, err = run_cli(capsys, "synth", "tiny", str(checkpoint))
     assert code == 2 and "exists; pass --force" in err
 
+
+
+def test_a_failed_read_of_an_expert_held_in_memory(container: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expert read into memory (hold_experts_in_memory) whose read fails is one ContainerError
+    naming the file and the failure, not a half-filled copy."""
+    import errno
+
+    from waste import fileio
+
+    def failing(fd, bufs, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with open_container(container) as c:
+        c.hold_experts_in_memory()
+        monkeypatch.setattr(fileio, "_preadv", failing)
+        with pytest.raises(ContainerError, match=r"experts\.bin: reading \d+ B at \d+: Input/output error"):
+            c.expert(c.config.moe_layers[0], 1)

@@ -358,15 +358,13 @@ class Container:
         li = self._manifest.experts.layers.index(layer)
         if self._expert_copy is not None:
             if not self._expert_copied[li, expert]:
+                self._check_size(EXPERTS, offset + nbytes)
                 blob = self._expert_copy[offset:offset + nbytes]
                 try:
                     pread_into(self._fds[EXPERTS], blob, offset)  # a read, not the map: no pages of it mapped
-                except EOFError:
-                    raise lease.ContainerChanged(f"{self.experts_path}: truncated while in use (byte "
-                                                 f"{offset + nbytes} is needed); another process changed the "
-                                                 "container") from None
-                except OSError as e:
-                    raise ContainerError(f"{self.experts_path}: reading {nbytes} B at {offset}: {e.strerror}") from None
+                except (EOFError, OSError) as e:
+                    why = getattr(e, "strerror", None) or "the file ends first"
+                    raise ContainerError(f"{self.experts_path}: reading {nbytes} B at {offset}: {why}") from None
                 if self.verify_data:
                     self.check_expert(layer, expert, blob)
                 self._expert_copied[li, expert] = True

@@ -75,7 +75,8 @@ from waste.errors import WasteError
 from waste.expert_io import DEFAULT_IO, IO_MODES
 from waste.fileio import pread_into
 
-# Spare read buffers kept at least (`StreamingExpertStore`): a decode step misses a few experts per layer.
+# The fewest evicted read buffers kept for reuse (`StreamingExpertStore`): a decode step's
+# misses and dropped guesses of a layer.
 SPARE_BUFFERS = 16
 # MoE layers a decode step guesses ahead. On the 48B q4 container from disk (2026-12-01, Xeon,
 # 18 GiB cache, 1.9 GB/s disk) a steady decode step took 259-298 ms unguessed, 253 guessing
