@@ -56,6 +56,12 @@ _VF = ir.VectorType(_F32, ROWS)
 # sums when the loop body is small). 'arcp' only concerns division: the scaling below keeps
 # IEEE order, so every lowering gives the same float bits from the same integers.
 _IEEE = ("arcp",)
+# A group adds its dot times (weight scale x activation scale) to the sum in one fused
+# multiply-add (llvm.fma: exact fused semantics on every target, so every lowering still gives
+# the same bits). Against two multiplies and an add it took 32-token products 7-12% less time
+# (3072 x 3584, one thread, Zen 5) and rounds twice instead of three times; for mxfp4 the scale
+# product is exact (a power of two), so each group's term is rounded once, in the add.
+_FMA = "llvm.fma.v16f32"
 
 ISAS = ("vbmi", "vnni", "avx2", "generic")
 # The unsigned code of each mxfp4 nibble: twice its E2M1 value plus the offset.
@@ -329,8 +335,8 @@ def _make_block(tile: int, isa: str, *, by_format: bool = False):
                         dots = builder.sub(dots, _splat(builder, corr, _VI))
                     dots = builder.sitofp(dots, _VF)
                     xsc = _splat(builder, builder.load(builder.gep(xs_.data, [tg])), _VF)
-                    term = builder.fmul(builder.fmul(dots, scale, flags=_IEEE), xsc, flags=_IEEE)
-                    builder.store(builder.fadd(builder.load(faccs[t]), term, flags=_IEEE), faccs[t])
+                    both = builder.fmul(scale, xsc, flags=_IEEE)
+                    builder.store(_x86(builder, _FMA, _VF, dots, both, builder.load(faccs[t])), faccs[t])
             tsv = _splat(builder, tscale_, _VF)
             for t in range(tokens):
                 out = at(y_, builder.add(builder.mul(rows[t], Np), builder.mul(b_, c(ROWS))), _VF)
