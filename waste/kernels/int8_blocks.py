@@ -58,9 +58,10 @@ _VF = ir.VectorType(_F32, ROWS)
 _IEEE = ("arcp",)
 # A group adds its dot times (weight scale x activation scale) to the sum in one fused
 # multiply-add (llvm.fma: exact fused semantics on every target, so every lowering still gives
-# the same bits). Against two multiplies and an add it took 32-token products 7-12% less time
-# (3072 x 3584, one thread, Zen 5) and rounds twice instead of three times; for mxfp4 the scale
-# product is exact (a power of two), so each group's term is rounded once, in the add.
+# the same bits). Against two multiplies and an add it took 32-token products 6-14% less time
+# (bench/quant.py --k3-only, K3's expert shapes, 1 and 2 threads, Zen 5) and rounds twice
+# instead of three times; for mxfp4 the scale product is exact (a power of two), so each
+# group's term is rounded once, in the add.
 _FMA = "llvm.fma.v16f32"
 
 ISAS = ("vbmi", "vnni", "avx2", "generic")
