@@ -111,3 +111,29 @@ def test_num_threads_is_numbas_count_and_follows_set_num_threads() -> None:
     finally:
         numba.set_num_threads(before)
     assert jit.num_threads() == before
+
+
+def _libgomp_spin_count(env_value: str | None) -> tuple[str | None, str]:
+    """(GOMP_SPINCOUNT as libgomp read it when waste.jit started the pool, None where Numba's
+    threads are not libgomp's; GOMP_SPINCOUNT in os.environ afterwards) in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if k != jit.SPIN_COUNT_ENV}
+    env["OMP_DISPLAY_ENV"] = "verbose"  # libgomp prints its settings to stderr as it loads
+    if env_value is not None:
+        env[jit.SPIN_COUNT_ENV] = env_value
+    code = "import os, waste.jit\nprint(os.environ.get('GOMP_SPINCOUNT'))"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    read = [line.split("=", 1)[1].strip().strip("'") for line in run.stderr.splitlines()
+            if line.strip().startswith("GOMP_SPINCOUNT =")]
+    return (read[0] if read else None), run.stdout.strip()
+
+
+def test_libgomp_workers_spin_briefly_unless_the_user_says() -> None:
+    import numba
+
+    jit.num_threads()
+    maps = Path("/proc/self/maps")
+    if numba.threading_layer() != "omp" or not maps.is_file() or "libgomp" not in maps.read_text():
+        return  # another threading layer: no libgomp spin count to set
+    assert _libgomp_spin_count(None) == (str(jit.SPIN_COUNT), "None")  # set for libgomp, gone from the environment
+    assert _libgomp_spin_count("777") == ("777", "777")  # the user's is kept

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numba
+from numba.np.ufunc.parallel import _launch_threads
 from threadpoolctl import threadpool_limits
 
 from waste.env import blas_threads, user_cache_home
@@ -44,6 +45,35 @@ prange = numba.prange
 # the whole prefill 3x slower. So BLAS runs on one thread, unless WASTE_BLAS_THREADS says
 # otherwise (for the whole process, numpy included, once waste's kernels are imported).
 threadpool_limits(blas_threads(), user_api="blas")
+
+# How long libgomp's workers (Numba's OpenMP threading layer) spin after a parallel region before
+# they sleep; libgomp reads GOMP_SPINCOUNT once, when it loads. Its default, 300000 spins, kept a
+# worker busy 10 ms after every region here (2-core Zen 5 guest, 2026-12-03): while a prefill or a
+# decode step waits for expert reads, that worker took a core from the reader threads. 10000 spins
+# (0.5 ms): the cold 512-token prefill of the 48B q4 container from disk (bench/scale.py, three
+# alternating pairs) took 17 s of user CPU instead of 36-37 and ran 9.7-12.3 tok/s against
+# 10.0-11.4 (its ~40 s of system CPU, the cache's fresh memory, swings as much); its decode and
+# `mini`'s in-memory decode (regions microseconds apart) did not change. Sleeping at once
+# (OMP_WAIT_POLICY=passive) made a `mini` decode step 1.8x slower.
+SPIN_COUNT = 10000
+SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
+
+
+def _start_threads() -> None:
+    """Start Numba's thread pool now, libgomp spinning SPIN_COUNT times unless the user set
+    GOMP_SPINCOUNT; the variable then leaves the environment again, so child processes (llama.cpp
+    in bench/peer.py, which has OpenMP threads of its own) get the user's."""
+    if SPIN_COUNT_ENV in os.environ:
+        _launch_threads()
+        return
+    os.environ[SPIN_COUNT_ENV] = str(SPIN_COUNT)
+    try:
+        _launch_threads()
+    finally:
+        del os.environ[SPIN_COUNT_ENV]
+
+
+_start_threads()
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent
