@@ -247,3 +247,44 @@ def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, mo
     np.testing.assert_array_equal(runs["tables"][0], runs["fetch"][0])
     assert runs["tables"][1] == runs["fetch"][1]
     assert len(argument_types) == 1 and all(len(types) == 1 for types in argument_types.values()), argument_types
+
+
+class _Routing:
+    """Every prefill request's token-expert pairs and unique experts, as the observer sees them."""
+
+    def __init__(self):
+        self.pairs = self.unique = 0
+
+    def on_layer(self, layer, positions, hidden):
+        pass
+
+    def on_routing(self, layer, positions, phase, routing, hits):
+        if phase == "prefill":
+            self.pairs += routing.ids.size
+            self.unique += len(routing.unique)
+
+
+def test_prefill_dedup_ratio_counts_prefill_passes_only(containers, capsys):
+    """The dedup ratio `waste run` prints: token-expert pairs over unique experts fetched, summed
+    over every prefill request (two prompts here), whatever the decode steps after them (each
+    one token: pairs = unique, which would pull a mean of ratios towards 1)."""
+    path = containers["kimi-linear"]
+    with open_container(path) as c:
+        model = Model(c)
+        seen = _Routing()
+        session = model.new_session(128)
+        model.prefill(session, _prompt(40, c.config.vocab_size), observer=seen)
+        model.prefill(session, _prompt(9, c.config.vocab_size, seed=1), observer=seen)
+        want = seen.pairs / seen.unique
+        assert want > 1.5  # 49 tokens over the tiny model's few experts share them
+        assert model.times.prefill_dedup == pytest.approx(want, rel=1e-12)
+        for t in range(20):
+            model.decode(session, t)
+        assert model.times.prefill_dedup == pytest.approx(want, rel=1e-12)
+    with open_container(path) as c:
+        assert Model(c).times.prefill_dedup is None
+    printed = []
+    for new in ("1", "12"):
+        assert main(["run", str(path), "--prompt-ids", "5,6,7,8,9,10,11,12,13,14", "--max-new", new]) == 0
+        printed.append([line for line in capsys.readouterr().out.splitlines() if "dedup ratio" in line])
+    assert printed[0] == printed[1] and len(printed[0]) == 1

@@ -162,9 +162,9 @@ def cmd_run(args: Any) -> int:
     print("generated:", ",".join(str(t) for t in run.generated))
     print(f"prefill: {run.prompt_len} tokens in {run.prefill_seconds:.3f} s ({run.prefill_tps:.1f} tok/s); "
           f"decode: {len(run.generated)} tokens in {run.decode_seconds:.3f} s ({run.decode_tps:.1f} tok/s)")
-    if model.times.dedup:
+    if model.times.prefill_dedup is not None:
         print(f"prefill expert dedup ratio (token-expert pairs per unique expert fetched): "
-              f"{np.mean(model.times.dedup):.2f}")
+              f"{model.times.prefill_dedup:.2f}")
     print(store.stats.format_table())
     total = store.stats.total
     hit = "-" if total.requests == 0 or store.io_mode == "mmap" else f"{100 * total.hit_rate:.1f}%"

@@ -117,12 +117,21 @@ class LayerTimes:
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("kda", "mla", "dense", "moe", "attn_res",
                                                                              "lm_head", "embed"), 0.0))
-    dedup: list[float] = field(default_factory=list)
+    # Prefill passes' MoE requests: token-expert pairs routed and unique experts asked for (decode
+    # steps, one token each, ask for every pair: they would only pull the ratio towards 1).
+    prefill_pairs: int = 0
+    prefill_unique: int = 0
 
     def add(self, kind: str, t0: float) -> float:
         now = time.perf_counter()
         self.seconds[kind] += now - t0
         return now
+
+    @property
+    def prefill_dedup(self) -> float | None:
+        """Token-expert pairs per unique expert fetched over every prefill pass's MoE layers (the
+        ratio of the sums), or None before any prefill."""
+        return self.prefill_pairs / self.prefill_unique if self.prefill_unique else None
 
 
 class Model:
@@ -239,7 +248,9 @@ class Model:
             ffn = self.ffn[i]
             if isinstance(ffn, MoELayer):
                 f, routing = ffn.forward(x, self.store, self._guess(i, ffn_in) if decode else None)
-                times.dedup.append(routing.dedup_ratio)
+                if not decode:
+                    times.prefill_pairs += routing.ids.size
+                    times.prefill_unique += len(routing.unique)
                 if observer is not None:
                     hits = expand_hits(routing.ids, routing.unique, self.store.last_hits)
                     observer.on_routing(i, positions, phase, routing, hits)
