@@ -137,3 +137,18 @@ def test_libgomp_workers_spin_briefly_unless_the_user_says() -> None:
         return  # another threading layer: no libgomp spin count to set
     assert _libgomp_spin_count(None) == (str(jit.SPIN_COUNT), "None")  # set for libgomp, gone from the environment
     assert _libgomp_spin_count("777") == ("777", "777")  # the user's is kept
+
+
+def test_compile_time_counts_compiling_only() -> None:
+    """A kernel compiled inside the block counts; calling it again (compiled) adds nothing."""
+    import numba
+
+    with jit.compile_time() as first:
+        @numba.njit(cache=False)
+        def fresh(x):
+            return 3 * x + 1
+
+        assert fresh(2) == 7
+    with jit.compile_time() as again:
+        assert fresh(3) == 10
+    assert first[0] > 0.0 and again[0] == 0.0

@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numba
+from numba.core.event import install_timer
 from numba.np.ufunc.parallel import _launch_threads
 from threadpoolctl import threadpool_limits
 
@@ -140,6 +142,16 @@ def kernel(fn: F | None = None, **overrides: Any) -> Any:
 def parallel_kernel(fn: F | None = None, **overrides: Any) -> Any:
     """Compile an outer driver whose `prange` loops run on all cores."""
     return kernel(fn, parallel=True, **overrides)
+
+
+@contextmanager
+def compile_time() -> Iterator[list[float]]:
+    """Yields a one-element list that holds, once the block has run, the seconds Numba spent in it
+    compiling kernels (loading them from the cache is not compiling): what a run's timings owe
+    to the first use of kernels after an update."""
+    spent = [0.0]
+    with install_timer("numba:compile", lambda seconds: spent.__setitem__(0, seconds)):
+        yield spent
 
 
 def num_threads() -> int:

@@ -162,6 +162,10 @@ def cmd_run(args: Any) -> int:
     print("generated:", ",".join(str(t) for t in run.generated))
     print(f"prefill: {run.prompt_len} tokens in {run.prefill_seconds:.3f} s ({run.prefill_tps:.1f} tok/s); "
           f"decode: {len(run.generated)} tokens in {run.decode_seconds:.3f} s ({run.decode_tps:.1f} tok/s)")
+    if run.prefill_compile_seconds or run.decode_compile_seconds:
+        print(f"of these, compiling kernels: {run.prefill_compile_seconds:.1f} s of the prefill, "
+              f"{run.decode_compile_seconds:.1f} s of the decode (their first use since waste was installed or "
+              "updated; the next run loads them from the cache)")
     if model.times.prefill_dedup is not None:
         print(f"prefill expert dedup ratio (token-expert pairs per unique expert fetched): "
               f"{model.times.prefill_dedup:.2f}")

@@ -11,6 +11,7 @@ import numpy as np
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, Model, Observer
 from waste.engine.sampling import Sampler
 from waste.engine.session import Session
+from waste.jit import compile_time
 
 
 @dataclass
@@ -23,6 +24,9 @@ class RunResult:
     logits: list[np.ndarray] = field(repr=False)
     prefill_seconds: float
     decode_seconds: float
+    # of those, seconds spent compiling kernels (`waste.jit.compile_time`): 0 once they are cached
+    prefill_compile_seconds: float = 0.0
+    decode_compile_seconds: float = 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -63,16 +67,19 @@ def generate(
     """
     logits: list[np.ndarray] = []
     t0 = time.perf_counter()
-    if len(prompt):
-        logits.append(model.prefill(session, prompt, chunk=chunk, observer=observer, all_logits=all_prompt_logits))
+    with compile_time() as prefill_compiling:
+        if len(prompt):
+            logits.append(model.prefill(session, prompt, chunk=chunk, observer=observer,
+                                        all_logits=all_prompt_logits))
     t1 = time.perf_counter()
     generated: list[int] = []
-    for _ in range(max_new):
-        token = sampler(session.last_logits)
-        generated.append(token)
-        logits.append(model.decode(session, token, observer=observer))
-        if on_token is not None and on_token(token):
-            break
+    with compile_time() as decode_compiling:
+        for _ in range(max_new):
+            token = sampler(session.last_logits)
+            generated.append(token)
+            logits.append(model.decode(session, token, observer=observer))
+            if on_token is not None and on_token(token):
+                break
     t2 = time.perf_counter()
     session.sampler_state = sampler.get_state()
-    return RunResult(len(prompt), generated, logits, t1 - t0, t2 - t1)
+    return RunResult(len(prompt), generated, logits, t1 - t0, t2 - t1, prefill_compiling[0], decode_compiling[0])

@@ -1,0 +1,66 @@
+"""waste.engine.runner: what a run reports about its own timings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numba
+import numpy as np
+import pytest
+
+from waste.cli import main
+from waste.container.reader import open_container
+from waste.engine import runner
+from waste.engine.model import Model
+from waste.engine.sampling import Sampler
+from waste.testing import tiny_container
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_container(tmp_path_factory.mktemp("runner") / "tiny", quant="f32")
+
+
+class _CompilesOnFirstLayer:
+    """An observer whose first on_layer compiles a kernel never compiled before (cache=False)."""
+
+    def __init__(self):
+        @numba.njit(cache=False)
+        def norm(h):
+            return np.sqrt((h * h).sum())
+
+        self.norm = norm
+
+    def on_layer(self, layer, positions, hidden):
+        self.norm(hidden)
+
+    def on_routing(self, layer, positions, phase, routing, hits):
+        pass
+
+
+def test_generate_reports_the_seconds_spent_compiling(tiny) -> None:
+    """Compiling inside the prefill is counted there; a decode whose kernels are all compiled
+    counts none."""
+    with open_container(tiny) as c:
+        model = Model(c)
+        prompt = [5, 9, 11, 40, 2]
+        runner.generate(model, model.new_session(32), prompt, 3, Sampler(temperature=0.0))  # every kernel ready
+        run = runner.generate(model, model.new_session(32), prompt, 3, Sampler(temperature=0.0),
+                              observer=_CompilesOnFirstLayer())
+    assert run.prefill_compile_seconds > 0.0
+    assert run.decode_compile_seconds == 0.0
+    assert run.prefill_seconds >= run.prefill_compile_seconds
+
+
+def test_waste_run_says_when_its_timings_include_compiling(tiny, monkeypatch, capsys) -> None:
+    argv = ["run", str(tiny), "--prompt-ids", "5,9,11,40,2", "--max-new", "3"]
+    assert main(argv) == 0  # kernels compiled or loaded from the cache
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "compiling kernels" not in capsys.readouterr().out  # nothing left to compile
+    real = runner.generate
+    monkeypatch.setattr(runner, "generate", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), prefill_compile_seconds=12.25, decode_compile_seconds=3.5))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "of these, compiling kernels: 12.2 s of the prefill, 3.5 s of the decode" in out
