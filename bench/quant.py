@@ -25,7 +25,11 @@ Then (alone with --lowerings-only, to bench/results/quant_lowerings.json) q8g pr
 the integer-dot lowering this host uses against the generic lowering (`int8_blocks`), both in
 the same driver: see measure_lowerings. Asserts nothing.
 
-    python bench/quant.py [--quick] [--rounds 30] [--quantize-only | --k3-only | --lowerings-only] [--out PATH]
+Then (alone with --amx-only, to bench/results/quant_amx.json), on hosts whose lowering is "amx",
+chunk products of every q format through AMX tiles against the vector blocks: see measure_amx.
+
+    python bench/quant.py [--quick] [--rounds 30]
+                          [--quantize-only | --k3-only | --lowerings-only | --amx-only] [--out PATH]
 """
 
 from __future__ import annotations
@@ -127,8 +131,8 @@ def blas_info() -> dict[str, object]:
 
 def quant_machine_info() -> dict[str, object]:
     """The shared machine description plus what decides these kernels' speed."""
-    return {**machine_info(), "numba_threading_layer": _threading_layer(), "vnni_kernels": ISA in ("vbmi", "vnni"),
-            "dot_isa": ISA}
+    return {**machine_info(), "numba_threading_layer": _threading_layer(),
+            "vnni_kernels": ISA in ("amx", "vbmi", "vnni"), "dot_isa": ISA}
 
 
 def _threading_layer() -> str:
@@ -299,13 +303,17 @@ def main() -> int:
     parser.add_argument("--lowerings-only", action="store_true",
                         help="only q8g through this host's dot lowering against the generic one "
                              "(default --out quant_lowerings.json)")
+    parser.add_argument("--amx-only", action="store_true",
+                        help="only chunk products through AMX tiles against the vector blocks "
+                             "(default --out quant_amx.json)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON results (default bench/results/quant.json or, with --quantize-only, "
                              "bench/results/quant_quantize.json)")
     args = parser.parse_args()
     results_dir = Path(__file__).parent / "results"
     default_out = ("quant_quantize.json" if args.quantize_only else "quant_k3.json" if args.k3_only
-                   else "quant_lowerings.json" if args.lowerings_only else "quant.json")
+                   else "quant_lowerings.json" if args.lowerings_only else "quant_amx.json" if args.amx_only
+                   else "quant.json")
     out = args.out or results_dir / default_out
     shapes = [s for s in SHAPES if not (args.quick and s[0] == "lm_head")]
     info = quant_machine_info()
@@ -320,8 +328,9 @@ def main() -> int:
         print(f"load average at end: {report['load_average_at_end']}")
         write_json(out, report)
         return 0
-    if args.k3_only or args.lowerings_only:
-        section = ("k3_experts", measure_k3_experts) if args.k3_only else ("lowerings", measure_lowerings)
+    if args.k3_only or args.lowerings_only or args.amx_only:
+        section = (("k3_experts", measure_k3_experts) if args.k3_only else ("lowerings", measure_lowerings)
+                   if args.lowerings_only else ("amx", measure_amx))
         report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
                   section[0]: section[1](args.rounds), "load_average_at_end": os.getloadavg()}
         print(f"load average at end: {report['load_average_at_end']}")
@@ -340,6 +349,7 @@ def main() -> int:
     print_quantize(report["quantize"])
     report["k3_experts"] = measure_k3_experts(args.rounds)
     report["lowerings"] = measure_lowerings(args.rounds)
+    report["amx"] = measure_amx(args.rounds)
     report["load_average_at_end"] = os.getloadavg()
     print(f"load average at end: {report['load_average_at_end']}")
     write_json(out, report)
@@ -481,6 +491,57 @@ def measure_lowerings(rounds: int) -> dict[str, object]:
         del mats, args, fns
     return {"host_isa": ISA, "host_q8g_lowering": int8_blocks.dot_lowering(ISA, "q8g"), "tokens": TOKENS,
             "shapes": rows}
+
+
+
+AMX_CHUNKS = (16, 32, 64, 256)  # tokens of the timed chunk products
+
+
+def measure_amx(rounds: int) -> dict[str, object]:
+    """Chunk products of q8g, q4g and mxfp4 through AMX tiles (lowering "amx") against the vector
+    blocks this host runs without them ("vbmi"), in the same driver, interleaved rounds at the
+    same thread count, matrices rotated beyond the last-level cache, at AMX_CHUNKS tokens. Both
+    give the same bits (checked here once per case, and by tests/kernels/test_quant.py). Only
+    where the host's lowering is "amx" (an AMX CPU that Linux lets use its tiles, WASTE_AMX unset)."""
+    if ISA != "amx":
+        print(f"AMX tiles: not on this host (lowering {ISA!r}); skipped")
+        return {"host_isa": ISA, "skipped": True}
+    rng = np.random.default_rng(6)
+    lowerings = {isa: _lowering_product(isa) for isa in ("amx", "vbmi")}
+    rows = []
+    print(f"chunk products through AMX tiles against the vector blocks ('vbmi'), same driver; ms, best of {rounds} "
+          f"interleaved rounds; x = vbmi / amx")
+    print(f"{'shape':<12} {'N x K':>10} {'fmt':<6} {'thr':>3} | " + " | ".join(
+        f"{f'T={t} amx':>10} {'vbmi':>7} {'x':>5}" for t in AMX_CHUNKS))
+    for name, n, k in LOWERING_SHAPES:
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        for fmt in ("q8g", "q4g", "mxfp4"):
+            mats = rotation(lambda i, w=w, fmt=fmt: qk.quantize(w, fmt), qk.quantize(w, fmt).nbytes)
+            args = [m._qargs[:3] for m in mats]
+            inputs = {t: rng.standard_normal((t, k), dtype=np.float32) for t in AMX_CHUNKS}
+            outs = {t: np.empty((t, args[0][0].shape[0] * ROWS), np.float32) for t in AMX_CHUNKS}
+            same = True
+            for t, X in inputs.items():
+                ys = []
+                for fn in lowerings.values():
+                    fn(X, *args[0], outs[t])
+                    ys.append(outs[t].copy())
+                same = same and np.array_equal(ys[0], ys[1])
+            fns = {f"{low}/{t}": cycle([lambda fn=fn, a=a, X=X, Y=outs[t]: fn(X, *a, Y) for a in args])
+                   for low, fn in lowerings.items() for t, X in inputs.items()}
+            for threads in thread_counts():
+                with at_threads(threads):
+                    best = best_times(fns, rounds)
+                row = {"name": name, "N": n, "K": k, "format": fmt, "threads": threads, "matrices": len(mats),
+                       "same_bits": same,
+                       **{f"{low}_T{t}_ms": best[f"{low}/{t}"] * 1e3 for low in lowerings for t in AMX_CHUNKS},
+                       **{f"T{t}_speedup": best[f"vbmi/{t}"] / best[f"amx/{t}"] for t in AMX_CHUNKS}}
+                rows.append(row)
+                print(f"{name:<12} {f'{n}x{k}':>10} {fmt:<6} {threads:>3} | " + " | ".join(
+                    f"{row[f'amx_T{t}_ms']:>10.3f} {row[f'vbmi_T{t}_ms']:>7.3f} {row[f'T{t}_speedup']:>5.2f}"
+                    for t in AMX_CHUNKS) + ("" if same else "  DIFFERENT BITS"))
+            del mats, args, fns
+    return {"host_isa": ISA, "chunks": list(AMX_CHUNKS), "shapes": rows}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import numpy as np
 from threadpoolctl import threadpool_info
 
 from waste import jit
+from waste.cpu import int8_isa
 from waste.env import BLAS_THREADS_ENV, blas_threads
 
 
@@ -59,7 +60,9 @@ def test_kernels_cache_below_a_directory_named_by_the_sources() -> None:
         return 3 * x
 
     assert triple(2) == 6
-    assert jit.CACHE_DIR.name == f"waste-{jit.source_digest()}"
+    # keyed on the integer products' lowering too: a kernel compiled with AMX tiles must not be
+    # loaded by a process that may not use them (WASTE_AMX=0, tests/test_cpu.py)
+    assert jit.CACHE_DIR.name == f"waste-{jit.source_digest()}-{int8_isa()}"
     assert Path(triple._cache._cache_path).is_relative_to(jit.CACHE_DIR)
 
 

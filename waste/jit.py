@@ -22,6 +22,7 @@ from numba.core.event import install_timer
 from numba.np.ufunc.parallel import _launch_threads
 from threadpoolctl import threadpool_limits
 
+from waste.cpu import int8_isa
 from waste.env import blas_threads, user_cache_home
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -100,9 +101,12 @@ def kernel_cache_dir() -> Path:
     Numba checks a cached function against its own file's timestamp only, so a caller whose
     file did not change kept the machine code it had inlined from a callee in a file that did
     (after an update, a caller ran the old callee: a stale kernel and silently other bits).
-    Keying the directory on every source's bytes makes any change compile afresh."""
+    Keying the directory on every source's bytes makes any change compile afresh. It is keyed
+    on the integer products' lowering too (`waste.cpu.int8_isa`): Numba keys a kernel on the
+    CPU's features, which stay the same when WASTE_AMX=0 or Linux's refusal takes AMX away, and
+    a kernel compiled with AMX tiles would then be loaded and stop the process at its first tile."""
     base = Path(os.environ.get("NUMBA_CACHE_DIR") or user_cache_home() / "numba")
-    return base / f"waste-{source_digest()}"
+    return base / f"waste-{source_digest()}-{int8_isa()}"
 
 
 def _prepare_cache(current: Path) -> None:

@@ -151,7 +151,7 @@ def _driver(isa: str):
     return drive
 
 
-# The lowerings this host can run: the generic one always, AVX2 and VNNI where the CPU has them.
+# The lowerings this host can run: the generic one always, AVX2, VNNI and AMX where the CPU has them.
 HOST_ISAS = int8_blocks.ISAS[int8_blocks.ISAS.index(int8_blocks.ISA):]
 
 
@@ -172,16 +172,40 @@ def test_every_lowering_gives_the_same_bits(fmt: str, isa: str) -> None:
     np.testing.assert_array_equal(Y[:, :N], m.matmul(X))
 
 
+@pytest.mark.skipif("amx" not in HOST_ISAS, reason="the host has no AMX (or Linux does not grant it)")
+@pytest.mark.parametrize("fmt", (*QFORMATS, "mxfp4"))
+@pytest.mark.parametrize(("T", "K"), [(12, 32), (16, 64), (16, 352), (27, 96), (40, 320), (47, 128), (64, 2304)])
+def test_amx_tiles_give_the_vector_blocks_bits(fmt: str, T: int, K: int) -> None:
+    """The AMX lowering against the vector one ("vbmi", whose bits every other lowering gives):
+    one group and many, odd and even group counts (the tile sets alternate), full tiles of 16
+    tokens, a last tile of fewer (27 = 16 + 11 through the vector blocks, 47 = 16 + 16 + 15 in
+    tiles), fewer tokens than a tile (12)."""
+    rng = np.random.default_rng(T * K)
+    N = 40
+    m = quantize(rng.standard_normal((N, K)) * rng.uniform(0.01, 10.0, (N, 1)), fmt)
+    X = (rng.standard_normal((T, K)) * rng.uniform(0.01, 10.0, (T, 1))).astype(np.float32)
+    G = K // 32
+    xq, xsum, xs = np.empty((T, G * 32), np.int8), np.empty((T, G), np.int32), np.empty((T, G), np.float32)
+    activations.quantize_activations(X, xq, xsum, xs)
+    qs, scales, tscale = m._qargs[:3]
+    Y = {isa: np.full((T, 48), np.nan, np.float32) for isa in ("amx", "vbmi")}
+    for isa, out in Y.items():
+        _driver(isa)(qs, scales, tscale, xq, xsum, xs, out)
+    np.testing.assert_array_equal(Y["amx"], Y["vbmi"])
+    assert max_rel_err(Y["amx"][:, :N], ref.reference_matmul(m, X)) <= 1e-6
+
+
 @pytest.mark.parametrize("isa", HOST_ISAS)
 @pytest.mark.parametrize("fmt", int8_blocks.SMALL_CODES)
-def test_small_code_dots_are_exact_at_the_extreme_codes(fmt: str, isa: str) -> None:
+@pytest.mark.parametrize("T", [7, 16])
+def test_small_code_dots_are_exact_at_the_extreme_codes(fmt: str, isa: str, T: int) -> None:
     """The largest unsigned codes (q4g 15, mxfp4 24: nibble 7, +6) and the smallest (0) against
     activation codes +-127 at every position (all of one sign, then mixed): the AVX2 lowering
     sums up to PAIR_SUMS_PER_INT16 vpmaddubsw results in int16, so the all-+127 and all--127
     tokens reach that bound in every lane and one more would wrap. mxfp4 also takes scale bytes
     0 (2^-127), 127 (1) and 255 (NaN). Expected: the integer dots times the scales, exact."""
     rng = np.random.default_rng(11)
-    NB, G, T = 2, 3, 7
+    NB, G = 2, 3
     top, bottom = (0x77, 0xFF) if fmt == "mxfp4" else (0xFF, 0x00)  # both nibbles largest / smallest
     qs = rng.choice(np.array([top, bottom, top & 0x0F | bottom & 0xF0, 0x00, 0x3C], np.uint8), size=(NB, G, 256))
     qs[0, 0], qs[1, 0] = top, bottom
@@ -212,12 +236,13 @@ def test_small_code_dots_are_exact_at_the_extreme_codes(fmt: str, isa: str) -> N
 
 
 @pytest.mark.parametrize("isa", HOST_ISAS)
-def test_q8g_dots_are_exact_at_the_extreme_codes(isa: str) -> None:
+@pytest.mark.parametrize("T", [6, 16])
+def test_q8g_dots_are_exact_at_the_extreme_codes(isa: str, T: int) -> None:
     """Weight codes -128, -127, 127 against activation codes +-127 (all of one sign, then mixed):
     where a lowering that sums two products in int16 would saturate. With unit scales each output
     is the integer dot itself (|dot| < 2^24, exact in float32)."""
     rng = np.random.default_rng(6)
-    NB, G, T = 2, 3, 6
+    NB, G = 2, 3
     qs = rng.choice(np.array([-128, -127, 127, 0, 1], np.int8), size=(NB, G, 512))
     qs[0, 0] = 127
     qs[1, 0] = -128

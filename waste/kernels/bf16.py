@@ -36,6 +36,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from waste.cpu import host_features
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels.pointers import pointer
@@ -70,18 +71,9 @@ _VF = ir.VectorType(_F32, LANES)
 _VH = ir.VectorType(_I16, PAIR_BLOCK)
 
 
-def _host_features() -> set[str]:
-    """The host's CPU features ("avx2", "fma", ...) when Numba compiles for this host, else none."""
-    from numba.core import config
-
-    if config.CPU_NAME or config.CPU_FEATURES:
-        return set()
-    return {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
-
-
 def host_has_bf16_dot() -> bool:
     """True when the host has AVX512_BF16 (vdpbf16ps) and Numba compiles for it."""
-    return {"avx512f", "avx512bf16"} <= _host_features()
+    return {"avx512f", "avx512bf16"} <= host_features()
 
 
 def padded_inputs(k: int) -> int:
@@ -320,12 +312,12 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
 
 
 NATIVE = host_has_bf16_dot()
-_HOST_FMA = "fma" in _host_features()
+_HOST_FMA = "fma" in host_features()
 # Rows sharing a chunk's pass over TOKEN_TILE tokens: ROW_TILE x TOKEN_TILE accumulators of 16
 # float32 lanes fit AVX-512's 32 registers (on AVX2 each takes two of 16: one row). On this Xeon
 # (vdpbf16ps, 4096 x 2304, 256 tokens, 2 threads) 21.3 against 23.9 ms with one row; every
 # output is the same sequence of operations either way.
-CHUNK_ROW_TILE = ROW_TILE if "avx512f" in _host_features() else 1
+CHUNK_ROW_TILE = ROW_TILE if "avx512f" in host_features() else 1
 # The portable bf16 path spends about three times the instructions per weight byte that the
 # float32 product does, and the hardware prefetchers alone then leave its one-token products
 # short of the memory speed: prefetching 16 rows ahead made `mini` bf16 decode steps 14-16%
