@@ -13,7 +13,10 @@ from conftest import assert_close
 from waste.errors import WasteError
 from waste.kernels import moe_step
 from waste.kernels.moe import (
+    PARALLEL_ACTIVATION,
+    SITU_BLOCK,
     add_weighted,
+    add_weighted_rows,
     gated_experts,
     gated_experts_one_token,
     gated_experts_sum_one_token,
@@ -96,11 +99,14 @@ def test_gated_experts_one_token_equal_one_by_one(fmt: str, n: int, I: int, D: i
 
 @pytest.mark.parametrize("act", ACTIVATIONS[:3])
 @pytest.mark.parametrize("fmt", ["q8g", "q4g", "mxfp4", "f32", "bf16"])
-def test_gated_experts_on_their_rows_equal_one_by_one(fmt: str, act) -> None:
+@pytest.mark.parametrize("inner", [64, 512])
+def test_gated_experts_on_their_rows_equal_one_by_one(fmt: str, act, inner: int) -> None:
     """A prefill's experts, each on its own run of rows (one row, several, more than a tile),
-    in three kernel calls: each expert's rows bit for bit its own MLP on those rows."""
+    in three kernel calls: each expert's rows bit for bit its own MLP on those rows. At inner
+    512 the 40 rows' activations run on all cores (PARALLEL_ACTIVATION, SITU_BLOCK)."""
+    assert 40 * 512 > max(PARALLEL_ACTIVATION, SITU_BLOCK) > 40 * 64
     rng = np.random.default_rng(61)
-    experts = _experts(rng, fmt, 5, 64, 96)
+    experts = _experts(rng, fmt, 5, inner, 96)
     x = (4 * rng.standard_normal((40, 96))).astype(np.float32)
     count = np.array([1, 7, 17, 3, 12], np.int64)
     x_start = np.array([0, 5, 20, 30, 28], np.int64)
@@ -234,3 +240,22 @@ def test_add_weighted_equals_numpy_row_by_row() -> None:
     got = np.zeros(50, np.float32)
     add_weighted(got, outs, weights)
     np.testing.assert_array_equal(got, want)
+
+
+def test_add_weighted_rows_gives_numpys_bits() -> None:
+    """A prefill adds each expert's outputs to its tokens' rows: the float32 products rounded
+    before the sums, as NumPy's `y[rows] += w[:, None] * outs` (no fused multiply-add), onto
+    rows an earlier expert already wrote; outputs given as a view of wider rows, as the
+    experts' kernels return them."""
+    rng = np.random.default_rng(71)
+    y = rng.standard_normal((30, 96)).astype(np.float32)
+    want = y.copy()
+    for n in (7, 12, 1):
+        rows = np.sort(rng.choice(30, n, replace=False)).astype(np.int64)
+        w = rng.uniform(0, 1, n).astype(np.float32)
+        outs = rng.standard_normal((n, 112)).astype(np.float32)[:, :96]
+        want[rows] += w[:, None] * outs
+        add_weighted_rows(y, rows, w, outs)
+    np.testing.assert_array_equal(y, want)
+    with pytest.raises(WasteError, match="add_weighted_rows"):
+        add_weighted_rows(y, np.arange(2), np.ones(2, np.float32), np.ones((3, 96), np.float32))

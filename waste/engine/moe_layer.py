@@ -40,6 +40,7 @@ from waste.engine.expert_cache import Expert
 from waste.errors import WasteError
 from waste.kernels.moe import (
     add_weighted,
+    add_weighted_rows,
     gated_experts,
     gated_experts_one_token,
     gated_experts_sum_one_token,
@@ -257,7 +258,7 @@ class MoELayer:
         start = np.zeros(U, np.int64)
         np.cumsum(count[:-1], out=start[1:])
         tokens = order // k
-        scale = weights.reshape(-1)[order][:, None]
+        scale = weights.reshape(-1)[order]
         y = np.zeros_like(z)
         # Outputs are added in id order as soon as every lower id's is in: the sums of `get`.
         done: dict[int, np.ndarray] = {}
@@ -280,7 +281,7 @@ class MoELayer:
                     done[i] = out[first_row[j]:first_row[j] + n[j]]
             while added in done:
                 picks = slice(start[added], start[added] + count[added])
-                y[tokens[picks]] += scale[picks] * done.pop(added)
+                add_weighted_rows(y, tokens[picks], scale[picks], done.pop(added))
                 added += 1
 
         batch: list[tuple[int, Expert]] = []
