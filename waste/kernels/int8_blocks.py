@@ -623,6 +623,11 @@ def _no_amx_tiles(qs, scales, xq, xs, Y, tscale, b):
     return 0
 
 
+def vector_isa(isa: str) -> str:
+    """The lowering of the vector blocks under `isa` (the one "amx" adds its tiles to)."""
+    return "vbmi" if isa == "amx" else isa
+
+
 def make_rows(isa: str):
     """A serial kernel rows(qs, scales, xq, xsum, xs, Y, tscale, b) writing row block b of Y for
     all tokens through `isa`'s blocks: large tiles, then middle ones (the format's
@@ -630,8 +635,7 @@ def make_rows(isa: str):
     are rarely a multiple of the tile). The engine's products use the host's (`quant._rows`);
     tests and benchmarks build the other lowerings' to compare them in the same tiling."""
     amx_part = _amx_tiles if isa == "amx" else _no_amx_tiles
-    if isa == "amx":
-        isa = "vbmi"  # the vector blocks under the AMX tiles
+    isa = vector_isa(isa)
     large_tile, middle_tile = make_tile_size(isa, LARGE), make_tile_size(isa, MIDDLE)
     block_large, block_middle = _make_block(LARGE, isa, by_format=True), _make_block(MIDDLE, isa, by_format=True)
     block_small, block_one = _make_block(SMALL_TILE, isa), _make_block(1, isa)

@@ -16,7 +16,7 @@ from waste.errors import WasteError
 from waste.jit import kernel, num_threads, parallel_kernel, prange
 from waste.kernels.activations import _quantize_token, quantized_activations
 from waste.kernels.pointers import pointer
-from waste.kernels.quant import ITEM_GROUPS, Q_FORMATS, SERIAL_BYTES, QMatrix, _rows
+from waste.kernels.quant import ITEM_GROUPS, Q_FORMATS, SERIAL_BYTES, QMatrix, _rows, _rows_one
 from waste.kernels.steal import fetch_add, new_ranges, next_item
 from waste.qformat import GROUP, ROWS
 
@@ -227,7 +227,7 @@ def _matrix_rows(rows, table, tscales, like_qs, like_scales, Y, xq, xsum, xs, m,
     scales = numba.carray(pointer(table[m, 1], like_scales), (NB, G, ROWS))
     r = rows[m]
     for b in range(b0, min(NB, b0 + blocks)):
-        _rows(qs, scales, xq[r:r + 1], xsum[r:r + 1], xs[r:r + 1], Y[m], tscales[m], b)
+        _rows_one(qs, scales, xq[r:r + 1], xsum[r:r + 1], xs[r:r + 1], Y[m], tscales[m], b)
 
 
 @parallel_kernel
