@@ -196,7 +196,7 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     qb, sb, tb, _, _, _ = b._qargs  # type: ignore[attr-defined]
     Ya = np.empty((X.shape[0], padded), np.float32)
     Yb = np.empty_like(Ya)
-    _pair_driver(X.shape[0])(X, qa, sa, ta, qb, sb, tb, Ya, Yb, num_threads())
+    _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb, num_threads())
     if padded != a.shape[0]:
         return np.ascontiguousarray(Ya[:, :a.shape[0]]), np.ascontiguousarray(Yb[:, :a.shape[0]])
     return Ya, Yb
@@ -253,7 +253,7 @@ def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
     """Y [T, N] = X W^T for a q-format matrix; X [T, K] float32 contiguous."""
     qs, scales, tscale, padded, no_qs, no_scales = m._qargs  # type: ignore[attr-defined]
     Y = np.empty((X.shape[0], padded), np.float32)
-    _pair_driver(X.shape[0])(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y, num_threads())
+    _q_product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y, num_threads())
     return Y if padded == m.shape[0] else np.ascontiguousarray(Y[:, :m.shape[0]])
 
 
@@ -285,59 +285,54 @@ _rows = make_rows(ISA)
 _rows_one = make_rows(vector_isa(ISA)) if ISA != vector_isa(ISA) else _rows
 
 
-def _make_q_product(rows):
-    """The pair driver `_q_product` over the row blocks `rows`."""
+@kernel
+def _rows_for(qs, scales, xq, xsum, xs, Y, tscale, b):
+    """Row block b of Y: the AMX tiles' rows for chunks that reach them, else _rows_one."""
+    if Y.shape[0] >= AMX_MIN_TOKENS:
+        _rows(qs, scales, xq, xsum, xs, Y, tscale, b)
+    else:
+        _rows_one(qs, scales, xq, xsum, xs, Y, tscale, b)
 
-    @parallel_kernel
-    def q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb, threads):
-        """Ya [T, 16NA] = X A^T and Yb [T, 16NB] = X B^T for q8g (int8 codes q [NB, G, 512]), q4g
-        or repacked mxfp4 (uint8 codes q [NB, G, 256]) matrices A, B of one format with the same G
-        (B may have no row blocks); scales [NB, G, 16] (float16 bits; mxfp4: E8M0 bytes), tscale [1].
-        The activations are quantised once, then the row blocks of both run in parallel, shared out
-        between `threads` (numba.get_num_threads(); `waste.kernels.steal`)."""
-        T = X.shape[0]
-        G = qa.shape[1]
-        xq = np.empty((T, G * GROUP), np.int8)
-        xsum = np.empty((T, G), np.int32)
-        xs = np.empty((T, G), np.float32)
-        if T <= SERIAL_TOKENS:
-            for t in range(T):
-                _quantize_token(X, t, xq, xsum, xs)
-        else:
-            for t in prange(T):
-                _quantize_token(X, t, xq, xsum, xs)
-        NA = qa.shape[0]
-        if (qa.size + qb.size) * T <= SERIAL_BYTES:
-            for i in range(NA + qb.shape[0]):
-                if i < NA:
-                    rows(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+
+@parallel_kernel
+def _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb, threads):
+    """Ya [T, 16NA] = X A^T and Yb [T, 16NB] = X B^T for q8g (int8 codes q [NB, G, 512]), q4g
+    or repacked mxfp4 (uint8 codes q [NB, G, 256]) matrices A, B of one format with the same G
+    (B may have no row blocks); scales [NB, G, 16] (float16 bits; mxfp4: E8M0 bytes), tscale [1].
+    The activations are quantised once, then the row blocks of both run in parallel, shared out
+    between `threads` (numba.get_num_threads(); `waste.kernels.steal`)."""
+    T = X.shape[0]
+    G = qa.shape[1]
+    xq = np.empty((T, G * GROUP), np.int8)
+    xsum = np.empty((T, G), np.int32)
+    xs = np.empty((T, G), np.float32)
+    if T <= SERIAL_TOKENS:
+        for t in range(T):
+            _quantize_token(X, t, xq, xsum, xs)
+    else:
+        for t in prange(T):
+            _quantize_token(X, t, xq, xsum, xs)
+    NA = qa.shape[0]
+    if (qa.size + qb.size) * T <= SERIAL_BYTES:
+        for i in range(NA + qb.shape[0]):
+            if i < NA:
+                _rows_for(qa, sa, xq, xsum, xs, Ya, ta[0], i)
+            else:
+                _rows_for(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
+    else:
+        # One token: work items of several row blocks (ITEM_GROUPS); a chunk's blocks are work enough.
+        per = max(1, ITEM_GROUPS // G) if T == 1 else 1
+        items_a = (NA + per - 1) // per
+        words = new_ranges(items_a + (qb.shape[0] + per - 1) // per, threads)
+        for t in prange(threads):
+            cursor = np.zeros(1, np.int64)
+            i = next_item(words, t, cursor)
+            while i >= 0:
+                if i < items_a:
+                    for b in range(i * per, min(NA, i * per + per)):
+                        _rows_for(qa, sa, xq, xsum, xs, Ya, ta[0], b)
                 else:
-                    rows(qb, sb, xq, xsum, xs, Yb, tb[0], i - NA)
-        else:
-            # One token: work items of several row blocks (ITEM_GROUPS); a chunk's blocks are work enough.
-            per = max(1, ITEM_GROUPS // G) if T == 1 else 1
-            items_a = (NA + per - 1) // per
-            words = new_ranges(items_a + (qb.shape[0] + per - 1) // per, threads)
-            for t in prange(threads):
-                cursor = np.zeros(1, np.int64)
+                    for b in range((i - items_a) * per, min(qb.shape[0], (i - items_a) * per + per)):
+                        _rows_for(qb, sb, xq, xsum, xs, Yb, tb[0], b)
                 i = next_item(words, t, cursor)
-                while i >= 0:
-                    if i < items_a:
-                        for b in range(i * per, min(NA, i * per + per)):
-                            rows(qa, sa, xq, xsum, xs, Ya, ta[0], b)
-                    else:
-                        for b in range((i - items_a) * per, min(qb.shape[0], (i - items_a) * per + per)):
-                            rows(qb, sb, xq, xsum, xs, Yb, tb[0], b)
-                    i = next_item(words, t, cursor)
 
-    return q_product
-
-
-# One-token products (matvec; called by the decode steps' kernels) and chunks of fewer than
-# AMX_MIN_TOKENS tokens; chunks through the AMX tiles where the host has them.
-_q_product = _make_q_product(_rows_one)
-_q_product_chunk = _make_q_product(_rows) if _rows is not _rows_one else _q_product
-
-
-def _pair_driver(tokens: int):
-    return _q_product_chunk if tokens >= AMX_MIN_TOKENS else _q_product
