@@ -38,6 +38,20 @@ def host_features() -> frozenset[str]:
 
 
 @functools.cache
+def host_vendor() -> str:
+    """The CPU's vendor as Linux reports it ("GenuineIntel", "AuthenticAMD"); "" where
+    /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
 def amx_permitted() -> bool:
     """Ask Linux for this process's use of the AMX tile registers (granted for all its threads);
     False where the kernel refuses or is not Linux on x86_64."""

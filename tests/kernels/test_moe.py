@@ -120,10 +120,10 @@ def test_gated_experts_on_their_rows_equal_one_by_one(fmt: str, act, inner: int)
 
 @pytest.mark.parametrize("fmt", ["q8g", "q4g", "mxfp4", "f32", "bf16"])
 def test_gated_experts_take_rows_equal_gathered_rows(fmt: str) -> None:
-    """A prefill hands the chunk's tokens and, per routed row, which token it is (`take`): q
-    experts then quantise each token once and gather its codes. The same bits as gathering the
-    float rows first, with tokens routed to several experts and rows in any order; and with one
-    row each (a decode step's driver)."""
+    """A prefill hands the chunk's tokens and, per routed row, which token it is (`take`): the
+    experts then quantise (or round to bf16) each token once and gather its rows. The same bits
+    as gathering the float rows first, with tokens routed to several experts and rows in any
+    order; and with one row each (a decode step's driver)."""
     rng = np.random.default_rng(62)
     experts = _experts(rng, fmt, 4, 64, 96)
     z = (4 * rng.standard_normal((9, 96))).astype(np.float32)
@@ -132,9 +132,9 @@ def test_gated_experts_take_rows_equal_gathered_rows(fmt: str) -> None:
     take = rng.integers(0, len(z), int(count.sum())).astype(np.int64)
     want = gated_experts(z[take], experts, x_start, count, None)
     np.testing.assert_array_equal(gated_experts(z, experts, x_start, count, None, take=take), want)
-    kept: dict = {}  # z's quantisation, kept across calls as a prefill's chunk keeps it
+    kept: dict = {}  # z as prepared, kept across calls as a prefill's chunk keeps it
     for _ in range(2):
-        np.testing.assert_array_equal(gated_experts(z, experts, x_start, count, None, take=take, quantized=kept),
+        np.testing.assert_array_equal(gated_experts(z, experts, x_start, count, None, take=take, prepared=kept),
                                       want)
     ones = np.ones(4, np.int64)
     np.testing.assert_array_equal(gated_experts(z, experts, np.arange(4), ones, None, take=take[:4]),

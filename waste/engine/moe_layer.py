@@ -263,7 +263,7 @@ class MoELayer:
         # Outputs are added in id order as soon as every lower id's is in: the sums of `get`.
         done: dict[int, np.ndarray] = {}
         added = 0
-        quantized: dict = {}  # z's int8 quantisation, made by the first batch of q experts
+        prepared: dict = {}  # z as the experts' products read it, made by the first batch
 
         def run(batch: list[tuple[int, Expert]]) -> None:
             nonlocal added
@@ -273,7 +273,7 @@ class MoELayer:
             first_row = np.zeros(len(batch), np.int64)  # of each expert's rows in the batch's
             np.cumsum(n[:-1], out=first_row[1:])
             rows = np.repeat(start[picked] - first_row, n) + np.arange(int(n.sum()))  # into `order`
-            out = gated_experts(z, experts, first_row, n, self.situ_params, take=tokens[rows], quantized=quantized)
+            out = gated_experts(z, experts, first_row, n, self.situ_params, take=tokens[rows], prepared=prepared)
             if out is None:  # experts that cannot run together: one by one
                 for i, expert in batch:
                     done[i] = self.mlp(z[tokens[start[i]:start[i] + count[i]]], *expert)

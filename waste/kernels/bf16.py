@@ -36,7 +36,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from waste.cpu import host_features
+from waste.cpu import host_features, host_vendor
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels.pointers import pointer
@@ -112,8 +112,14 @@ def _round_split(X, out):
     T, K = X.shape
     bits = X.view(np.uint32)
     obits = out.view(np.uint32)
+    full = K // PAIR_BLOCK
     for t in range(T):
-        for j in range(out.shape[1] // PAIR_BLOCK):
+        for j in range(full):  # whole blocks: one loop over lanes, which LLVM vectorises
+            k = j * PAIR_BLOCK
+            for lane in range(LANES):
+                obits[t, k + lane] = _bf16_bits(bits[t, k + 2 * lane + 1]) << np.uint32(16)
+                obits[t, k + LANES + lane] = _bf16_bits(bits[t, k + 2 * lane]) << np.uint32(16)
+        for j in range(full, out.shape[1] // PAIR_BLOCK):
             for i in range(2 * LANES):
                 k = j * PAIR_BLOCK + i
                 lane = i // 2 if i % 2 else LANES + i // 2
@@ -312,6 +318,14 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
 
 
 NATIVE = host_has_bf16_dot()
+# Chunks (more than one token) on Intel cores take the portable path even where vdpbf16ps is
+# there: on the Xeon with AMX (2026-12-04) vdpbf16ps issues once per two cycles, 16 multiply-adds
+# a cycle, where two float32 FMAs a cycle make 32; its bf16 products then ran no faster than
+# float32 ones. The portable path's two FMAs per pair, each pair's bf16 words unpacked once per
+# 4 tokens, made a 256-token mini prefill's expert products 1.2x (gate and up, K 1024) to 1.5x
+# (down, K 256) as fast. Decode streams weights and keeps vdpbf16ps, its instruction count per
+# byte being float32's. AMD's Zen cores run vdpbf16ps at the FMA rate or better: they keep it.
+CHUNK_NATIVE = NATIVE and host_vendor() != "GenuineIntel"
 _HOST_FMA = "fma" in host_features()
 # Rows sharing a chunk's pass over TOKEN_TILE tokens: ROW_TILE x TOKEN_TILE accumulators of 16
 # float32 lanes fit AVX-512's 32 registers (on AVX2 each takes two of 16: one row). On this Xeon
@@ -416,11 +430,14 @@ def bf16_operand(X: np.ndarray, *, native: bool = NATIVE) -> np.ndarray:
     return xs
 
 
-def bf16_matmul(w: np.ndarray, X: np.ndarray, *, native: bool = NATIVE) -> np.ndarray:
+def bf16_matmul(w: np.ndarray, X: np.ndarray, *, native: bool | None = None) -> np.ndarray:
     """Y [T, N] float32 = X W^T for bf16 bits w [N, K] and X [T, K] float32 (C-contiguous).
 
-    `native=False` runs the portable path on any host (the tests compare the two).
+    By default one token takes vdpbf16ps where the host has it (NATIVE), chunks as
+    CHUNK_NATIVE says; `native=True` or `False` picks the path (the tests compare the two).
     """
+    if native is None:
+        native = NATIVE if X.shape[0] == 1 else CHUNK_NATIVE
     Y = np.empty((X.shape[0], w.shape[0]), np.float32)
     _run_blocks(w, bf16_operand(X, native=native), Y)
     return Y
@@ -461,16 +478,16 @@ class DenseBatch:
         self.width = int(self.table[:, 1].max())
         self.like = matrices[0].buffers["w"][:0]
 
-    def _operand(self, X: np.ndarray) -> np.ndarray:
+    def _checked(self, X: np.ndarray) -> np.ndarray:
         X = np.ascontiguousarray(X, np.float32)
         if X.ndim != 2 or X.shape[1] != self.k:
             raise WasteError(f"dense products of width {self.k} take [R, {self.k}] inputs, got {X.shape}")
-        return dense_operand(X, self.fmt)
+        return X
 
     def __call__(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """[M, width]: matrix m on X[rows[m]]; rows [M] int64 in [0, R) (unchecked)."""
         Y = np.empty((len(self.table), 1, self.width), np.float32)
-        _dense_products(self._operand(X), rows, self.table, self.like, Y)
+        _dense_products(dense_operand(self._checked(X), self.fmt), rows, self.table, self.like, Y)
         return Y[:, 0]
 
     def spans(self, X: np.ndarray, x_start: np.ndarray, count: np.ndarray, y_start: np.ndarray,
@@ -478,8 +495,19 @@ class DenseBatch:
         """Y [out_rows, width] with Y[y_start[m] + j, :N_m] = W_m X[x_start[m] + j] for j <
         count[m], each span's rows bit for bit W_m.matmul(X[x_start[m]:x_start[m] + count[m]]);
         x_start, count, y_start [M] int64, every span inside X and Y (unchecked)."""
+        return self.prepared_spans(self.prepare(X), x_start, count, y_start, out_rows)
+
+    def prepare(self, X: np.ndarray) -> tuple[np.ndarray]:
+        """(xs,): X [R, K] float32 as `spans` multiplies it (a chunk's operand: CHUNK_NATIVE),
+        each row on its own, so the rows of a gather of X are the gather of these rows."""
+        X = self._checked(X)
+        return (X if self.fmt == "f32" else bf16_operand(X, native=CHUNK_NATIVE),)
+
+    def prepared_spans(self, prepared: tuple[np.ndarray], x_start: np.ndarray, count: np.ndarray,
+                       y_start: np.ndarray, out_rows: int) -> np.ndarray:
+        """`spans` on rows already prepared (`prepare`, or rows gathered from it, C-contiguous)."""
         Y = np.empty((out_rows, self.width), np.float32)
-        _dense_spans(self._operand(X), x_start, count, y_start, self.table, self.like, Y)
+        _dense_spans(prepared[0], x_start, count, y_start, self.table, self.like, Y)
         return Y
 
 

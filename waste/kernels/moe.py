@@ -384,15 +384,15 @@ def _dense_gated_one_token(xs, gu_table, gu_like, down_table, down_like, inner, 
 
 def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatrix]], x_start: np.ndarray,
                   count: np.ndarray, situ_params: tuple[float | None, float | None] | None,
-                  take: np.ndarray | None = None, quantized: dict | None = None) -> np.ndarray | None:
+                  take: np.ndarray | None = None, prepared: dict | None = None) -> np.ndarray | None:
     """The gated MLPs of several experts, each on its own run of rows of x [R, in]: expert e on
     x[x_start[e]:x_start[e] + count[e]] -> [sum(count), out], expert e's rows after those of the
     experts before it, equal bit for bit to swiglu(x[its rows], *experts[e]) (situ_params None)
     or situ_mlp(x[its rows], *experts[e], *situ_params) (situ_params = (beta, linear_beta)).
     With `take` (int64 row ids into x), the rows are those of x[take] instead: a prefill's
-    tokens, each routed to several experts, are then quantised once each rather than once per
-    expert (the same bits: each row is quantised on its own), and once per chunk when the
-    caller keeps a dict `quantized` for this x across its calls (x's quantisation is kept there).
+    tokens, each routed to several experts, are then quantised (q experts) or rounded to bf16
+    once each rather than once per expert (the same bits: each row is prepared on its own),
+    and once per chunk when the caller keeps a dict `prepared` for this x across its calls.
 
     Three kernel calls whatever the number of experts (a decode step's experts on its one token,
     or a prefill's on the tokens routed to each): every expert's gate and up products in one
@@ -417,17 +417,18 @@ def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatr
     gates_ups, downs = batch([m for e in experts for m in e[:2]]), batch([e[2] for e in experts])
     one_row_each = bool((count == 1).all())  # a decode step's: the one-row driver, measured faster
     gathered = None
-    if take is not None:
-        if batch is QBatch and not one_row_each:
-            groups = gates_ups.likes[0].shape[1]
-            whole = quantized.get(groups) if quantized is not None else None
-            if whole is None:
-                whole = gates_ups.quantize(x)
-                if quantized is not None:
-                    quantized[groups] = whole
-            gathered = tuple(np.ascontiguousarray(a[take]) for a in whole)
-        else:
-            x = np.ascontiguousarray(x[take])
+    if take is not None and one_row_each:
+        x = np.ascontiguousarray(x[take])
+    elif take is not None:
+        # What x's rows become before the products: the same for every batch of one chunk's
+        # experts (q: the groups of their width; f32 and bf16: the format).
+        key = ("q", gates_ups.likes[0].shape[1]) if batch is QBatch else ("dense", gates_ups.fmt)
+        whole = prepared.get(key) if prepared is not None else None
+        if whole is None:
+            whole = gates_ups.prepare(x)
+            if prepared is not None:
+                prepared[key] = whole
+        gathered = tuple(np.ascontiguousarray(a[take]) for a in whole)
     if one_row_each:
         gate_up = gates_ups(x, np.repeat(x_start, 2)).reshape(n, 2, -1)
         gate, up = np.ascontiguousarray(gate_up[:, 0, :inner]), np.ascontiguousarray(gate_up[:, 1, :inner])
@@ -440,7 +441,7 @@ def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatr
         if gathered is None:
             gate_up = gates_ups.spans(x, np.repeat(x_start, 2), np.repeat(count, 2), both, 2 * rows)
         else:
-            gate_up = gates_ups.quantized_spans(gathered, np.repeat(x_start, 2), np.repeat(count, 2), both, 2 * rows)
+            gate_up = gates_ups.prepared_spans(gathered, np.repeat(x_start, 2), np.repeat(count, 2), both, 2 * rows)
         gate, up = np.ascontiguousarray(gate_up[:rows, :inner]), np.ascontiguousarray(gate_up[rows:, :inner])
     h = np.empty_like(gate)
     use_situ, beta, linear_beta = activation_args(situ_params)

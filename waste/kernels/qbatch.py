@@ -71,19 +71,19 @@ class QBatch:
               out_rows: int) -> np.ndarray:
         """X [R, K] float32 C-contiguous; x_start, count, y_start [M] int64 with every span inside X
         and inside the out_rows output rows (the caller's promise: unchecked)."""
-        return self.quantized_spans(self.quantize(X), x_start, count, y_start, out_rows)
+        return self.prepared_spans(self.prepare(X), x_start, count, y_start, out_rows)
 
-    def quantize(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def prepare(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(xq, xsum, xs) of X [R, K] float32 C-contiguous, as the products read it: each row
         quantised on its own, so the rows of a gather of X are the gather of these rows."""
         return quantized_activations(X, self.likes[0].shape[1])
 
-    def quantized_spans(self, quantized: tuple[np.ndarray, np.ndarray, np.ndarray], x_start: np.ndarray,
-                        count: np.ndarray, y_start: np.ndarray, out_rows: int) -> np.ndarray:
-        """`spans` on rows already quantised (`quantize`, or rows gathered from its arrays,
+    def prepared_spans(self, prepared: tuple[np.ndarray, np.ndarray, np.ndarray], x_start: np.ndarray,
+                       count: np.ndarray, y_start: np.ndarray, out_rows: int) -> np.ndarray:
+        """`spans` on rows already quantised (`prepare`, or rows gathered from its arrays,
         C-contiguous)."""
         Y = np.empty((out_rows, self.width), np.float32)
-        _q_spans(*quantized, x_start, count, y_start, self.table, self.tscales, self.first_format, *self.likes, Y,
+        _q_spans(*prepared, x_start, count, y_start, self.table, self.tscales, self.first_format, *self.likes, Y,
                  num_threads())
         return Y
 
