@@ -87,6 +87,54 @@ def test_portable_path_is_the_vdpbf16ps_sequence(N: int, K: int, T: int) -> None
     np.testing.assert_array_equal(got, want)
 
 
+def _flushing_sequence(w_bits: np.ndarray, x_bits: np.ndarray) -> np.ndarray:
+    """_vdpbf16ps_sequence with the instruction's flushes: operands below 2^-126 read as zeros of
+    their sign, each lane's sum after a product flushed to a signed zero when below 2^-126 (the
+    product is exact, the sum rounded once: long double holds both here); the tree as before."""
+    tiny = np.float32(2.0 ** -126)
+
+    def flushed(v: np.ndarray) -> np.ndarray:
+        return np.where(np.abs(v) < tiny, np.copysign(np.float32(0), v), v).astype(np.float32)
+
+    n, k = w_bits.shape
+    kp = -(-k // 32) * 32
+    w = np.zeros((n, kp), np.float32)
+    x = np.zeros((x_bits.shape[0], kp), np.float32)
+    w[:, :k] = flushed((w_bits.astype(np.uint32) << 16).view(np.float32))
+    x[:, :k] = flushed((x_bits.astype(np.uint32) << 16).view(np.float32))
+    acc = np.zeros((x.shape[0], n, 16), np.float32)
+    for j in range(0, kp, 32):
+        for parity in (1, 0):
+            exact = (acc.astype(np.longdouble) + x[:, None, j + parity:j + 32:2].astype(np.longdouble)
+                     * w[None, :, j + parity:j + 32:2].astype(np.longdouble))
+            acc = flushed(exact.astype(np.float32))
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half:2 * half]
+    return acc[..., 0]
+
+
+def test_portable_path_flushes_subnormals_as_vdpbf16ps_does() -> None:
+    """Operands and sums around float32's smallest normal: vdpbf16ps reads bf16 subnormals as
+    zeros and flushes sums that fall below 2^-126; the portable path's FMAs run with MXCSR's
+    FTZ and DAZ for that, so both paths (the instruction where the host has it) give the same
+    bits, which the plain float32 sequence does not."""
+    assert np.finfo(np.longdouble).nmant >= 63  # the emulation's exact sums (x86's long double)
+    rng = np.random.default_rng(4)
+    N, K, T = 24, 200, 7
+    w = ((rng.integers(0, 2, (N, K)) << 15) | (rng.integers(60, 76, (N, K)) << 7)
+         | rng.integers(0, 128, (N, K))).astype(np.uint16)  # 2^-67 .. 2^-52
+    w[rng.random((N, K)) < 0.1] &= 0x807F  # bf16 subnormals
+    X = (rng.standard_normal((T, K)) * 2.0 ** rng.integers(-70, -59, (T, K))).astype(np.float32)
+    got = bf16.bf16_matmul(w, X, native=False)
+    x_bits = bf16.round_to_bf16(X)[:, :K]
+    np.testing.assert_array_equal(got, _flushing_sequence(w, x_bits))
+    assert not np.array_equal(got, _vdpbf16ps_sequence(w, x_bits))  # the data does underflow
+    for t in range(T):  # one token (the rows tiles) as the chunk
+        np.testing.assert_array_equal(bf16.bf16_matmul(w, X[t:t + 1], native=False)[0], got[t])
+    if bf16.NATIVE:
+        np.testing.assert_array_equal(bf16.bf16_matmul(w, X, native=True), got)
+
+
 def test_nan_and_inf_reach_their_outputs() -> None:
     rng = np.random.default_rng(5)
     m = quantize(rng.standard_normal((8, 64)).astype(np.float32), "bf16")

@@ -14,9 +14,9 @@ Two code paths emit that sequence, chosen at import from the host's features:
 - `vdpbf16ps` itself (inline assembly) where the CPU has AVX512_BF16;
 - a portable one that widens each bf16 pair with a mask and a shift and multiplies in float32,
   which LLVM lowers to whatever vectors the CPU has (two 256-bit halves on AVX2).
-They agree bit for bit on finite inputs whose products and partial sums stay at or above
-float32's smallest normal (2**-126) in magnitude; below it `vdpbf16ps` flushes to zero
-(weights that are bf16 subnormals, sums that underflow) and the portable path does not.
+They agree bit for bit on all inputs: `vdpbf16ps` reads bf16 subnormals as zeros and flushes
+sums below float32's smallest normal (2**-126) to zero, and the portable path runs its
+multiply-adds with MXCSR's flush-to-zero and denormals-are-zero set for that (`_flush_subnormals`).
 
 Activations rounded to bf16 are what llama.cpp's bf16 products also multiply; the relative
 error this adds to a product is about 2**-9 / sqrt(3) of |W| |x| per term, averaged over K.
@@ -230,6 +230,7 @@ def make_tile(rows: int, tokens: int, prefetch_rows: int = 0):
                     return load(xs_, xk, _VF, 4), load(xs_, builder.add(xk, c(LANES)), _VF, 4)
                 return xload
 
+            saved = _flush_subnormals(builder) if mode == "portable" else None
             full = builder.udiv(K, c(PAIR_BLOCK))
             prefetch = prefetch_rows and mode == "portable"
             ahead = builder.mul(K, c(prefetch_rows))
@@ -264,6 +265,8 @@ def make_tile(rows: int, tokens: int, prefetch_rows: int = 0):
                         half = builder.call(masked_load, [ptr, ir.Constant(_I32, 2), mask, ir.Constant(_VH, None)])
                         words.append(builder.bitcast(half, _VI))
                     step(words, xs_at(k))
+            if saved is not None:
+                _restore_float_mode(builder, saved, [acc for row in accs for acc in row])
             for r in range(rows):
                 for t in range(tokens):
                     out = builder.gep(y_.data, [builder.add(builder.mul(builder.add(t0_, c(t)), N),
@@ -289,6 +292,44 @@ def _masked_halves(builder: ir.IRBuilder, data: ir.Value, index: ir.Value, mask:
                               _VF.as_pointer())
         out.append(builder.call(masked_load, [ptr, ir.Constant(_I32, 4), part, ir.Constant(_VF, None)]))
     return out[0], out[1]
+
+
+# MXCSR's flush-to-zero (bit 15) and denormals-are-zero (bit 6): vdpbf16ps's own rules, which it
+# follows whatever MXCSR says. With both set, each float32 FMA of the portable path gave the bits
+# of vdpbf16ps on all of 6.4 million outputs of a C probe built to underflow (tiny normals whose
+# products and sums fall below 2^-126, bf16 subnormal operands; 2026-12-04, Xeon), and without
+# them differed on 0.4% (tiny) and 6% (subnormal operands). Only the multiply-adds run so: the
+# lanes' tree adds vdpbf16ps's outputs under the caller's MXCSR on both paths.
+_FLUSH_BITS = 0x8040
+
+
+def _mxcsr(builder: ir.IRBuilder, name: str, slot: ir.Value) -> None:
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]),
+                                        f"llvm.x86.sse.{name}")
+    builder.call(fn, [builder.bitcast(slot, ir.IntType(8).as_pointer())])
+
+
+def _flush_subnormals(builder: ir.IRBuilder) -> ir.Value:
+    """Set MXCSR's flush-to-zero and denormals-are-zero; returns the slot holding the MXCSR to
+    restore (`_restore_float_mode`). The multiply-adds after it read loads made after it, which
+    LLVM does not move above a call that writes memory, and the x86 backend orders them after
+    ldmxcsr (its instructions use MXCSR)."""
+    saved = cgutils.alloca_once(builder, _I32)
+    _mxcsr(builder, "stmxcsr", saved)
+    flushing = cgutils.alloca_once(builder, _I32)
+    builder.store(builder.or_(builder.load(saved), ir.Constant(_I32, _FLUSH_BITS)), flushing)
+    _mxcsr(builder, "ldmxcsr", flushing)
+    return saved
+
+
+def _restore_float_mode(builder: ir.IRBuilder, saved: ir.Value, accs: list[ir.Value]) -> None:
+    """Restore the MXCSR `_flush_subnormals` saved, once every accumulator in accs (allocas of
+    <16 x float>) is final: each passes through an empty asm statement first, which LLVM keeps
+    before the restoring call (both have side effects), so no multiply-add can sink below it."""
+    pin = ir.InlineAsm(ir.FunctionType(_VF, [_VF]), "", "=v,0", side_effect=True)
+    for acc in accs:
+        builder.store(builder.call(pin, [builder.load(acc)]), acc)
+    _mxcsr(builder, "ldmxcsr", saved)
 
 
 def _prefetch(builder: ir.IRBuilder, address: ir.Value) -> None:
