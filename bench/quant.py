@@ -47,7 +47,7 @@ import numpy as np
 from common import at_threads, best_seconds, cycle, machine_info, rotation, thread_counts, write_json
 
 from waste.jit import parallel_kernel, prange
-from waste.kernels import activations, int8_blocks
+from waste.kernels import activations, int8_blocks, int8_rows
 from waste.kernels import quant as qk
 from waste.kernels.int8_blocks import ISA
 from waste.qformat import BLOCK_BYTES, GROUP, QMAX, ROWS, SCALE_EXPONENT, bits_per_weight
@@ -434,7 +434,7 @@ def _lowering_product(isa: str) -> Callable[..., None]:
     """Y [T, 16NB] = X W^T for q8g / q4g codes through the blocks as lowered for `isa`: the
     engine's driver (activations quantised once, row blocks in parallel, each lowering's token
     tiles) without its serial shortcuts, so two lowerings are timed in the same driver."""
-    rows = int8_blocks.make_rows(isa)
+    rows = int8_rows.make_rows(isa)
 
     @parallel_kernel
     def product(X, qs, scales, tscale, Y):

@@ -25,7 +25,7 @@ from conftest import max_rel_err
 
 from waste.errors import WasteError
 from waste.jit import kernel
-from waste.kernels import activations, int8_blocks, mxfp4, qbatch
+from waste.kernels import activations, int8_blocks, int8_rows, mxfp4, qbatch
 from waste.kernels import quant as qk
 from waste.kernels.quant import QMatrix, from_buffers, quantize
 from waste.qformat import FORMATS, QMAX, bits_per_weight, buffer_layout
@@ -140,8 +140,8 @@ def test_unquantised_product_matches_reference(fmt: str) -> None:
 
 def _driver(isa: str):
     """A serial driver over the blocks as lowered for one instruction set, in the tiles the engine
-    uses with that lowering (`int8_blocks.make_rows`)."""
-    rows = int8_blocks.make_rows(isa)
+    uses with that lowering (`int8_rows.make_rows`)."""
+    rows = int8_rows.make_rows(isa)
 
     @kernel
     def drive(qs, scales, tscale, xq, xsum, xs, Y):

@@ -45,8 +45,10 @@ from waste.errors import WasteError
 from waste.jit import kernel, num_threads, parallel_kernel, prange
 from waste.kernels import mxfp4
 from waste.kernels.activations import _quantize_token
+from waste.kernels.amx_blocks import AMX_MIN_TOKENS
 from waste.kernels.bf16 import bf16_matmul, f32_matmul
-from waste.kernels.int8_blocks import AMX_MIN_TOKENS, ISA, make_rows, vector_isa
+from waste.kernels.int8_blocks import ISA
+from waste.kernels.int8_rows import make_rows, vector_isa
 from waste.kernels.quantize import _f16_value, quantize_grouped
 from waste.kernels.steal import new_ranges, next_item
 from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
@@ -273,7 +275,7 @@ SERIAL_BYTES = 32768  # code bytes x tokens of a product run serially
 ITEM_GROUPS = 64
 
 
-# Row block b of Y for all tokens, in the host's tiles (int8_blocks.make_rows). Numba's own
+# Row block b of Y for all tokens, in the host's tiles (int8_rows.make_rows). Numba's own
 # cache would key the kernels that call it (_q_product, _q_products, _q_spans below) on this
 # file alone, though they inline the blocks' generated code; waste.jit's cache directory, keyed
 # on every source of the package, is what recompiles them when int8_blocks changes.
