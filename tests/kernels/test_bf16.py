@@ -43,6 +43,20 @@ def test_rounding_follows_vcvtneps2bf16() -> None:
     np.testing.assert_array_equal(np.signbit(got_values[finite]), np.signbit(want[finite]))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_chunk_operands_round_on_all_cores_as_on_one(native: bool) -> None:
+    """From PARALLEL_ROUNDING_ROWS rows an operand is rounded row by row on all cores: the bits
+    of the serial kernels, specials and subnormals included."""
+    rng = np.random.default_rng(6)
+    T = bf16.PARALLEL_ROUNDING_ROWS + 5
+    X = (rng.standard_normal((T, 77)) * 2.0 ** rng.integers(-140, 100, (T, 77))).astype(np.float32)
+    X[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
+    got = bf16.bf16_operand(X, native=native)
+    want = np.empty_like(got)
+    (bf16._round_rows if native else bf16._round_split)(X, want)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 @pytest.mark.parametrize(("N", "K", "T"), SHAPES)
 def test_product_matches_reference(N: int, K: int, T: int) -> None:
     rng = np.random.default_rng(N * 1000 + K + T)

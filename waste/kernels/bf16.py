@@ -511,8 +511,30 @@ def bf16_operand(X: np.ndarray, *, native: bool = NATIVE) -> np.ndarray:
     """X [T, K] float32 (C-contiguous) as the bf16 tiles read it: rounded to bf16 bits [T, Kp]
     uint16 for vdpbf16ps (`native`), else float32 in the portable path's pair layout."""
     xs = np.empty((X.shape[0], padded_inputs(X.shape[1])), np.uint16 if native else np.float32)
-    (_round_rows if native else _round_split)(X, xs)
+    if X.shape[0] >= PARALLEL_ROUNDING_ROWS:
+        (_round_rows_parallel if native else _round_split_parallel)(X, xs)
+    else:
+        (_round_rows if native else _round_split)(X, xs)
     return xs
+
+
+# Rows from which a chunk's activations are rounded on all cores: a 256-token mini bf16 prefill
+# rounded 126 operands (256 x 1024 trunk inputs, 2048 x 256 expert activations) in 17 ms on one.
+PARALLEL_ROUNDING_ROWS = 16
+
+
+@parallel_kernel(fastmath=False)
+def _round_rows_parallel(X, out):
+    """_round_rows, rows on all cores (the same bits: each element rounds on its own)."""
+    for t in prange(X.shape[0]):
+        _round_rows(X[t:t + 1], out[t:t + 1])
+
+
+@parallel_kernel(fastmath=False)
+def _round_split_parallel(X, out):
+    """_round_split, rows on all cores (the same bits: each element rounds on its own)."""
+    for t in prange(X.shape[0]):
+        _round_split(X[t:t + 1], out[t:t + 1])
 
 
 def bf16_matmul(w: np.ndarray, X: np.ndarray, *, native: bool | None = None) -> np.ndarray:
