@@ -16,7 +16,7 @@ import pytest
 
 import waste.reference.quant as ref
 from waste.errors import WasteError
-from waste.kernels import bf16
+from waste.kernels import bf16, dense_batch
 from waste.kernels.quant import quantize
 
 SHAPES = [(37, 70, 9), (16, 32, 1), (4, 3, 5), (1, 33, 4), (9, 200, 1), (21, 64, 8), (19, 96, 6), (13, 64, 7)]
@@ -227,15 +227,15 @@ def test_dense_products_equal_one_product_each(fmt: str, M: int, N: int, K: int)
           for m in range(M)]
     X = (rng.standard_normal((3, K)) * [[0.1], [1.0], [30.0]]).astype(np.float32)
     rows = rng.integers(0, 3, M).astype(np.int64)
-    Y = bf16.dense_products(X, ms, rows)
+    Y = dense_batch.dense_products(X, ms, rows)
     assert Y.shape == (M, N + 3 * (M - 1)) and Y.dtype == np.float32
     for m, w in enumerate(ms):
         np.testing.assert_array_equal(Y[m, :w.shape[0]], w.matvec(X[rows[m]]))
     other = quantize(np.ones((4, K), np.float32), "bf16" if fmt == "f32" else "f32")
     with pytest.raises(WasteError, match="dense products"):
-        bf16.dense_products(X, [*ms, other], np.zeros(M + 1, np.int64))
+        dense_batch.dense_products(X, [*ms, other], np.zeros(M + 1, np.int64))
     with pytest.raises(WasteError, match="dense products"):
-        bf16.dense_products(X, [*ms, quantize(np.ones((4, K + 32), np.float32), fmt)], np.zeros(M + 1, np.int64))
+        dense_batch.dense_products(X, [*ms, quantize(np.ones((4, K + 32), np.float32), fmt)], np.zeros(M + 1, np.int64))
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16"])
@@ -256,12 +256,12 @@ def test_dense_spans_equal_each_matrix_on_its_rows(fmt: str, threads: int) -> No
     x_start = np.array([int(rng.integers(0, R - n + 1)) for n in counts], np.int64)
     y_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) + 2  # rows 0-1, last 2: no span's
     out_rows = sum(counts) + 4
-    batch = bf16.DenseBatch(ms)
+    batch = dense_batch.DenseBatch(ms)
     Y = np.full((out_rows, batch.width), np.nan, np.float32)
     before = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
-        bf16._dense_spans(bf16.dense_operand(X, fmt), x_start, np.array(counts, np.int64), y_start, batch.table,
+        dense_batch._dense_spans(bf16.dense_operand(X, fmt), x_start, np.array(counts, np.int64), y_start, batch.table,
                           batch.like, Y)
     finally:
         numba.set_num_threads(before)
@@ -275,4 +275,4 @@ def test_dense_spans_equal_each_matrix_on_its_rows(fmt: str, threads: int) -> No
     Z = batch.spans(X, x_start, np.array(counts, np.int64), y_start, out_rows)
     np.testing.assert_array_equal(Z[written], Y[written])
     with pytest.raises(WasteError, match="one format and width"):
-        bf16.DenseBatch([*ms, quantize(np.ones((4, K), np.float32), "bf16" if fmt == "f32" else "f32")])
+        dense_batch.DenseBatch([*ms, quantize(np.ones((4, K), np.float32), "bf16" if fmt == "f32" else "f32")])

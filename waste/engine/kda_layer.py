@@ -22,7 +22,8 @@ import numpy as np
 from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.jit import num_threads
-from waste.kernels.bf16 import DENSE_FORMATS, dense_operand, dense_products, dense_table, operand_buffer, operand_mode
+from waste.kernels.bf16 import DENSE_FORMATS, dense_operand, operand_buffer, operand_mode
+from waste.kernels.dense_batch import dense_products, dense_table
 from waste.kernels.kda import (
     _gate_kernel,
     _gated_rmsnorm_kernel,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from waste.jit import kernel
-from waste.kernels.bf16 import _dense_products, _operand_into, _run_blocks
+from waste.kernels.bf16 import _operand_into, _run_blocks
+from waste.kernels.dense_batch import _dense_products
 from waste.kernels.fastmath import fsigmoid
 from waste.kernels.kda import _gate_kernel, _gated_rmsnorm_kernel
 from waste.kernels.kda_decode import _deferred_decode_kernel

@@ -17,16 +17,8 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import kernel, num_threads, parallel_kernel, prange
-from waste.kernels.bf16 import (
-    DENSE_FORMATS,
-    DenseBatch,
-    _dense_products,
-    _operand_into,
-    dense_operand,
-    dense_table,
-    operand_buffer,
-    operand_mode,
-)
+from waste.kernels.bf16 import DENSE_FORMATS, _operand_into, dense_operand, operand_buffer, operand_mode
+from waste.kernels.dense_batch import DenseBatch, _dense_products, dense_table
 from waste.kernels.qbatch import QBatch, _q_products
 from waste.kernels.quant import Q_FORMATS, QMatrix, matmul_pair
 from waste.kernels.serial import column_max, row_ids, zero_ids
@@ -397,7 +389,7 @@ def gated_experts(x: np.ndarray, experts: Sequence[tuple[QMatrix, QMatrix, QMatr
     Three kernel calls whatever the number of experts (a decode step's experts on its one token,
     or a prefill's on the tokens routed to each): every expert's gate and up products in one
     parallel region (qbatch `_q_products` when every expert has one row, else `_q_spans`; each
-    row of x quantised once; f32 or bf16 experts through bf16's `DenseBatch` alike), the
+    row of x quantised once; f32 or bf16 experts through `waste.kernels.dense_batch.DenseBatch` alike), the
     activations, every down product in one more region. None when the experts are neither q
     matrices of one shape and at most two formats per projection (`run_together`) nor float
     matrices of one format and shape (`dense_together`): the caller runs them one by one.

@@ -14,7 +14,8 @@ import numpy as np
 
 from waste.jit import kernel, num_threads, parallel_kernel, prange
 from waste.kernels.activations import _quantize_token
-from waste.kernels.bf16 import dense_operand, dense_table, operand_buffer, operand_mode
+from waste.kernels.bf16 import dense_operand, operand_buffer, operand_mode
+from waste.kernels.dense_batch import dense_table
 from waste.kernels.moe import (
     _activate_row,
     _dense_gated_one_token,
