@@ -11,7 +11,7 @@ import numba
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import parallel_kernel, prange
+from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels.bf16 import (
     CHUNK_BLOCK_BYTES,
     CHUNK_NATIVE,
@@ -88,25 +88,32 @@ def dense_table(matrices: Sequence[Any]) -> np.ndarray:
     return np.frombuffer(bytearray(b"".join([m._drow for m in matrices])), np.int64).reshape(-1, 2)
 
 
+@kernel
+def _row_items(table, rows):
+    """The work items of the matrices in table [M, 2] (address, row count): (matrix, first row)
+    of every block of `rows` rows, matrix by matrix."""
+    items = 0
+    for m in range(table.shape[0]):
+        items += (table[m, 1] + rows - 1) // rows
+    item_matrix = np.empty(items, np.int64)
+    item_row = np.empty(items, np.int64)
+    i = 0
+    for m in range(table.shape[0]):
+        for n0 in range(0, table[m, 1], rows):
+            item_matrix[i] = m
+            item_row[i] = n0
+            i += 1
+    return item_matrix, item_row
+
+
 @parallel_kernel
 def _dense_products(xs, rows, table, like, Y):
     """Y[m, 0, :N_m] = xs[rows[m]] W_m^T for M matrices of one dense format (like: the weights'
     dtype, K columns, no rows) read by address (table [M, 2]: address, N_m), in blocks of
     ONE_TOKEN_ROWS rows as f32_matmul and bf16_matmul make them for one token; xs as those pass
     it to the tiles. The blocks of all the matrices run in one parallel region."""
-    M = table.shape[0]
-    items = 0
-    for m in range(M):
-        items += (table[m, 1] + ONE_TOKEN_ROWS - 1) // ONE_TOKEN_ROWS
-    item_matrix = np.empty(items, np.int64)
-    item_row = np.empty(items, np.int64)
-    i = 0
-    for m in range(M):
-        for n0 in range(0, table[m, 1], ONE_TOKEN_ROWS):
-            item_matrix[i] = m
-            item_row[i] = n0
-            i += 1
-    for i in prange(items):
+    item_matrix, item_row = _row_items(table, ONE_TOKEN_ROWS)
+    for i in prange(len(item_matrix)):
         m, n0 = item_matrix[i], item_row[i]
         N = table[m, 1]
         w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
@@ -119,20 +126,9 @@ def _dense_spans(xs, x_start, count, y_start, table, like, Y):
     """Y[y_start[m] + j, :N_m] = xs[x_start[m] + j] W_m^T for j < count[m], for M matrices
     of one dense format read by address (table [M, 2], `dense_table`): every matrix's blocks of
     rows (as f32_matmul and bf16_matmul make them for a chunk) in one parallel region."""
-    M = table.shape[0]
     rows = max(1, CHUNK_BLOCK_BYTES // (like.shape[1] * like.itemsize) // ROW_TILE) * ROW_TILE
-    items = 0
-    for m in range(M):
-        items += (table[m, 1] + rows - 1) // rows
-    item_matrix = np.empty(items, np.int64)
-    item_row = np.empty(items, np.int64)
-    i = 0
-    for m in range(M):
-        for n0 in range(0, table[m, 1], rows):
-            item_matrix[i] = m
-            item_row[i] = n0
-            i += 1
-    for i in prange(items):
+    item_matrix, item_row = _row_items(table, rows)
+    for i in prange(len(item_matrix)):
         m, n0 = item_matrix[i], item_row[i]
         N = table[m, 1]
         w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
