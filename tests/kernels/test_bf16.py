@@ -179,7 +179,8 @@ def test_native_path_compiles_to_vdpbf16ps_and_agrees_with_the_portable_one(tmp_
         np.testing.assert_array_equal(bf16.bf16_matmul(w, X, native=True), portable)
     code = (
         "import numpy as np; from waste.kernels import bf16; "
-        "bf16._row_block.compile('(uint16[:, ::1], uint16[:, ::1], float32[:, ::1], intp, intp)'); "
+        "bf16._row_block.compile('(uint16[:, ::1], uint16[:, ::1], float32[:, ::1], intp, intp, "
+        "uint16[:, ::1], intp, intp)'); "
         "sig = bf16._row_block.signatures[0]; "
         "print('vdpbf16ps' in bf16._row_block.inspect_asm(sig))"
     )
@@ -205,7 +206,7 @@ def test_a_new_caller_links_cached_vdpbf16ps_tiles(tmp_path) -> None:  # noqa: A
         "import numpy as np, numba; from waste.kernels import bf16\n"
         "@numba.njit\n"
         "def new_caller(w, xs, Y, n0, n1):\n"
-        "    bf16._row_block(w, xs, Y, n0, n1)\n"
+        "    bf16._row_block(w, xs, Y, n0, n1, w, 0, 0)\n"
         "w = np.zeros((8, 64), np.uint16); Y = np.ones((1, 8), np.float32)\n"
         "new_caller(w, bf16.bf16_operand(np.ones((1, 64), np.float32)), Y, 0, 4)\n"
         "print(float(Y[0, :4].sum()))\n"

@@ -118,7 +118,7 @@ def _dense_products(xs, rows, table, like, Y):
         N = table[m, 1]
         w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
         r = rows[m]
-        _row_block(w, xs[r:r + 1], Y[m], n0, min(N, n0 + ONE_TOKEN_ROWS))
+        _row_block(w, xs[r:r + 1], Y[m], n0, min(N, n0 + ONE_TOKEN_ROWS), w, 0, 0)
 
 
 @parallel_kernel
@@ -133,4 +133,5 @@ def _dense_spans(xs, x_start, count, y_start, table, like, Y):
         N = table[m, 1]
         w = numba.carray(pointer(table[m, 0], like), (N, like.shape[1]))
         a, y0, c = x_start[m], y_start[m], count[m]
-        _row_block(w, xs[a:a + c], Y[y0:y0 + c], n0, min(N, n0 + rows))
+        n1 = min(N, n0 + rows)
+        _row_block(w, xs[a:a + c], Y[y0:y0 + c], n0, n1, w, n1, min(N, n1 + rows))
