@@ -37,6 +37,7 @@ from waste.kernels.kda_decode import _deferred_decode_kernel, apply_pending, kda
 from waste.kernels.kda_step import kda_decode_step, kda_decode_step_dense, sigmoid_into
 from waste.kernels.qbatch import QBatch, batchable
 from waste.kernels.quant import Q_FORMATS, QMatrix, matmul_pair
+from waste.kernels.same_input import SameInput
 from waste.kernels.short_conv import _conv_step_kernel, conv_taps, short_conv_silu
 
 GetMatrix = Callable[[str], QMatrix]
@@ -123,6 +124,8 @@ class KDALayer:
         # A decode step's products in two kernel calls: the six that read x (q, k, v, f_a, the
         # gate's first, b), then the two of rank K (f_b, g_b); QBatch for q formats.
         first, second = [*qkv, f_a, gate[0], b_proj], [f_b, *gate[1:]]
+        # A chunk's six products of x in one call (q, k, v, f_a, b, the gate's first).
+        self._prefill_products = SameInput([*qkv, f_a, b_proj, gate[0]])
         self._decode_batches = (QBatch(first), QBatch(second)) if batchable(first) and batchable(second) else None
         # f32 or bf16 weights, all of one format: the same two calls through dense_products.
         one_dense_format = len({m.fmt for m in first + second}) == 1 and first[0].fmt in DENSE_FORMATS
@@ -208,10 +211,6 @@ class KDALayer:
             return kda_gate_softplus(z, self.a_log, self.dt_bias, num_heads=self.H)
         return kda_gate_lower_bound(z, self.a_log, self.dt_bias, self.lower_bound, num_heads=self.H)
 
-    def _output_gate(self, x: np.ndarray) -> np.ndarray:
-        """x [T, hidden] -> gate [T, H*K] (before the sigmoid)."""
-        return self.gate[0].matmul(x) if len(self.gate) == 1 else self.gate[1].matmul(self.gate[0].matmul(x))
-
     def _check_state(self, state: KDAState) -> None:
         H, K, HK = self.H, self.K, self.H * self.K
         # The decode step's kernels index these arrays unchecked.
@@ -230,13 +229,14 @@ class KDALayer:
             raise WasteError(f"KDA prefill input must be [T, hidden], got shape {x.shape}")
         self._check_state(state)
         T, H, K = x.shape[0], self.H, self.K
-        q, k, v = (short_conv_silu(m.matmul(x), taps, state.conv[i]).reshape(T, H, K)
-                   for i, (m, taps) in enumerate(zip(self.qkv, self.taps, strict=True)))
-        g = self._decay(self.f_b.matmul(self.f_a.matmul(x)))
-        beta = _sigmoid(self.b_proj.matmul(x))
+        *qkv, f, b, gate = self._prefill_products(x)
+        q, k, v = (short_conv_silu(y, taps, state.conv[i]).reshape(T, H, K)
+                   for i, (y, taps) in enumerate(zip(qkv, self.taps, strict=True)))
+        g = self._decay(self.f_b.matmul(f))
+        beta = _sigmoid(b)
         o, final = prefill_kda(q, k, v, g, beta, initial_state=state.recurrent)
         state.recurrent[...] = final
-        o = gated_rmsnorm(o, self._output_gate(x), self.o_norm, self.eps)
+        o = gated_rmsnorm(o, gate if len(self.gate) == 1 else self.gate[1].matmul(gate), self.o_norm, self.eps)
         return self.o_proj.matmul(o.reshape(T, H * K))
 
     def _batch_products(self, which: int, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
