@@ -186,6 +186,19 @@ def test_copy_bandwidth_reuses_given_buffers() -> None:
     assert np.array_equal(src, dst)
 
 
+def test_read_bandwidth_reads_the_whole_buffer() -> None:
+    """The plain read sums every row once whatever the split into threads (uneven here), reports
+    the bytes it read (a whole number of READ_LANES rows), and refuses zero threads."""
+    rng = np.random.default_rng(0)
+    rows = rng.integers(-4, 5, (1001, budget.READ_LANES)).astype(np.float32)  # exact float sums
+    for parts in (1, 2, 3):
+        assert budget._read_all(rows, parts) == rows.sum(dtype=np.float64)
+    result = budget.read_bandwidth(np.ones(1000 * budget.READ_LANES + 7, np.float32), rounds=2, threads=2)
+    assert result["buffer_bytes"] == 1000 * budget.READ_LANES * 4 and result["threads"] == 2 and result["gbps"] > 0
+    with pytest.raises(WasteError):
+        budget.read_bandwidth(np.ones(1024, np.float32), threads=0)
+
+
 def test_load_scale_bench(tmp_path) -> None:
     import json
 

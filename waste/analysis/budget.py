@@ -41,6 +41,7 @@ import numpy as np
 
 from waste.config import ModelConfig
 from waste.errors import WasteError
+from waste.jit import parallel_kernel, prange
 from waste.plan import Plan, all_mla_state_bytes, state_bytes
 
 # Segment names of a plan in the order the stacked bars draw them.
@@ -149,6 +150,45 @@ def copy_bandwidth(nbytes: int = 512 << 20, rounds: int = 5, threads: int = 1,
             best = min(best, time.perf_counter() - t0)
     return {"buffer_bytes": int(src.nbytes), "threads": threads, "best_seconds": best,
             "gbps": 2 * src.nbytes / best / 1e9}
+
+
+# Floats each thread of `read_bandwidth` sums side by side: four 512-bit registers of partial
+# sums, so that the loop waits on memory rather than on one chain of additions.
+READ_LANES = 64
+
+
+@parallel_kernel
+def _read_all(a, parts):
+    """Sum of a [R, READ_LANES] float32, its rows split into `parts` runs read at once."""
+    per = (a.shape[0] + parts - 1) // parts
+    sums = np.zeros((parts, a.shape[1]), np.float32)
+    for p in prange(parts):
+        acc = np.zeros(a.shape[1], np.float32)
+        for i in range(p * per, min(a.shape[0], (p + 1) * per)):
+            for j in range(a.shape[1]):
+                acc[j] += a[i, j]
+        sums[p] = acc
+    return sums.sum()
+
+
+def read_bandwidth(buffer: np.ndarray, rounds: int = 5, threads: int = 1) -> dict[str, float]:
+    """This machine's plain read of memory on `threads` cores: the best of `rounds` sums of a
+    float32 `buffer` (a `copy_buffers` source), counting its bytes once: {buffer_bytes, threads,
+    best_seconds, gbps}. What a kernel that only reads its weights (a decode step) could reach at
+    best, beside `copy_bandwidth`, which counts a copy's reads and writes: on a 2-core VM whose
+    copy ran at 47 GB/s, this read ran at 32."""
+    if threads < 1:
+        raise WasteError(f"threads must be at least 1, got {threads}")
+    rows = np.ascontiguousarray(buffer, np.float32).reshape(-1)
+    rows = rows[: rows.size // READ_LANES * READ_LANES].reshape(-1, READ_LANES)
+    _read_all(rows[:threads], threads)  # compile (cached) and start the threads before timing
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        _read_all(rows, threads)
+        best = min(best, time.perf_counter() - t0)
+    return {"buffer_bytes": int(rows.nbytes), "threads": threads, "best_seconds": best,
+            "gbps": rows.nbytes / best / 1e9}
 
 
 def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: float) -> DecodeBound:
