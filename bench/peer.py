@@ -11,6 +11,11 @@ Steps (each cached under $WASTE_PEER_DIR, default ~/.cache/waste-peer, outside t
 4. Speed, interleaved: every round runs, per format, llama-bench (prompt `--prompt-len`;
    `--new` tokens decoded at depth `--prompt-len`) and waste's engine (the same prompt at its
    default prefill chunk and in one chunk, then `--new` greedy tokens), `--rounds` times.
+   Each side is timed warm: llama-bench runs the whole prompt (and one decoded token) once
+   untimed before its timed run, and so does waste's round (`waste_round`). Without that,
+   waste's first prefill of a round, right after llama-bench's process had the cores and the
+   caches, ran 3-21% slower than the same prefill a moment later (three runs on the Xeon,
+   2026-12-04: the "default chunk" and "one chunk" columns, both one chunk of 256).
    Best and median are reported; both sides use `--threads` threads; the load average is
    recorded before and after. For decode also the paired ratio: the median (and quartiles)
    over rounds of each round's waste / llama.cpp, the two run back to back, so less
@@ -163,7 +168,9 @@ def llama_bench(bin_dir: Path, model: Path, args: argparse.Namespace, phase: str
 
 
 def waste_round(model: Model, prompt: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
-    """Prefill at the default chunk then decode; and prefill in one chunk."""
+    """Prefill at the default chunk then decode; and prefill in one chunk. Each after an untimed
+    prefill of the prompt and one decoded token, as llama-bench's warmup run does before its own."""
+    run_round(model, prompt, 1, DEFAULT_PREFILL_CHUNK)
     r = run_round(model, prompt, args.new, DEFAULT_PREFILL_CHUNK)
     one = run_round(model, prompt, 1, len(prompt))
     return {"prefill": len(prompt) / r["prefill_s"], "prefill_one_chunk": len(prompt) / one["prefill_s"],

@@ -73,9 +73,9 @@ ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OM
             "NUMBA_NUM_THREADS", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")
 
 
-def best_times(fns: dict[str, Callable[[], object]], rounds: int, burst_s: float = 0.002,
-               settle_s: float = 0.12) -> dict[str, float]:
-    """Best mean seconds per call of each function over `rounds` short bursts of calls.
+def round_times(fns: dict[str, Callable[[], object]], rounds: int, burst_s: float = 0.002,
+                settle_s: float = 0.12) -> dict[str, list[float]]:
+    """Mean seconds per call of each function in each of `rounds` short bursts of calls.
 
     Rounds interleave the functions so that load on the shared machine hits them alike.
     Before each burst the process sleeps `settle_s` (OpenBLAS worker threads spin for about
@@ -92,7 +92,7 @@ def best_times(fns: dict[str, Callable[[], object]], rounds: int, burst_s: float
             fn()
             fastest = min(fastest, time.perf_counter() - t)
         reps[key] = max(1, int(burst_s / max(fastest, 1e-7)))
-    best = dict.fromkeys(fns, float("inf"))
+    times: dict[str, list[float]] = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             time.sleep(settle_s)
@@ -100,8 +100,14 @@ def best_times(fns: dict[str, Callable[[], object]], rounds: int, burst_s: float
             t = time.perf_counter()
             for _ in range(reps[key]):
                 fn()
-            best[key] = min(best[key], (time.perf_counter() - t) / reps[key])
-    return best
+            times[key].append((time.perf_counter() - t) / reps[key])
+    return times
+
+
+def best_times(fns: dict[str, Callable[[], object]], rounds: int, burst_s: float = 0.002,
+               settle_s: float = 0.12) -> dict[str, float]:
+    """Best mean seconds per call of each function over `rounds` bursts (`round_times`)."""
+    return {key: min(t) for key, t in round_times(fns, rounds, burst_s, settle_s).items()}
 
 
 def blas_info() -> dict[str, object]:
@@ -379,12 +385,17 @@ def measure_k3_experts(rounds: int) -> dict[str, object]:
     (common.rotation), so every call streams its weights from memory, as an expert not used for
     a while does. All formats run in the same rounds at the same thread count (one, then all;
     common.at_threads). Reported per format: time, GB/s of stored weight bytes, speed against
-    f32 on the same shape, and GB/s against Q4G's (per byte; the target is >= 1).
+    f32 on the same shape, and GB/s against Q4G's (per byte; the target is >= 1): from each
+    format's best round, and (`paired`) the median and quartiles over rounds of the ratio within
+    a round. The best rounds of two formats may come from different moments of a noisy host (on
+    this Xeon they put MXFP4 per byte anywhere in 0.87-1.06 from run to run); a round's two
+    bursts, seconds apart, see the same host, so the target is judged on the paired median.
     """
     rng = np.random.default_rng(3)
     rows = []
     print(f"{'shape':<11} {'N x K':>10} {'thr':>3} {'fmt':<5} {'mats':>4} | {'matvec ms':>9} {'GB/s':>6} "
-          f"{'x f32':>6} {'/q4g B':>6} | {'matmul32 ms':>11} {'GB/s':>6} {'x f32':>6} {'/q4g B':>6}")
+          f"{'x f32':>6} {'/q4g B':>6} {'paired':>6} | {'matmul32 ms':>11} {'GB/s':>6} {'x f32':>6} {'/q4g B':>6} "
+          f"{'paired':>6}")
     for name, n, k in K3_EXPERT_SHAPES:
         x = rng.standard_normal(k, dtype=np.float32)
         X = rng.standard_normal((TOKENS, k), dtype=np.float32)
@@ -394,7 +405,8 @@ def measure_k3_experts(rounds: int) -> dict[str, object]:
                for fmt, mats in sets.items() for op, a in (("matvec", x), ("matmul", X))}
         for threads in thread_counts():
             with at_threads(threads):
-                best = best_times(fns, rounds, burst_s=0.02)
+                times = round_times(fns, rounds, burst_s=0.02)
+            best = {key: min(t) for key, t in times.items()}
             row: dict[str, object] = {"name": name, "N": n, "K": k, "tokens": TOKENS, "threads": threads,
                                       "formats": {}}
             for fmt, mats in sets.items():
@@ -408,19 +420,28 @@ def measure_k3_experts(rounds: int) -> dict[str, object]:
             for fmt, r in row["formats"].items():
                 for op in ("matvec", "matmul"):
                     r[f"{op}_gbs_vs_q4g"] = r[f"{op}_gbs"] / row["formats"]["q4g"][f"{op}_gbs"]
+                    # Round by round: this format's bytes per second over Q4G's in the same round.
+                    paired = (r["bytes"] / row["formats"]["q4g"]["bytes"]
+                              * np.array(times[f"q4g/{op}"]) / np.array(times[f"{fmt}/{op}"]))
+                    r[f"{op}_gbs_vs_q4g_paired"] = [float(q) for q in np.percentile(paired, [25, 50, 75])]
                 print(f"{name if fmt == 'f32' else '':<11} {f'{n}x{k}' if fmt == 'f32' else '':>10} {threads:>3} "
                       f"{fmt:<5} {r['matrices']:>4} | {r['matvec_ms']:>9.3f} {r['matvec_gbs']:>6.1f} "
-                      f"{r['matvec_vs_f32']:>6.2f} {r['matvec_gbs_vs_q4g']:>6.2f} | {r['matmul_ms']:>11.3f} "
-                      f"{r['matmul_gbs']:>6.1f} {r['matmul_vs_f32']:>6.2f} {r['matmul_gbs_vs_q4g']:>6.2f}")
+                      f"{r['matvec_vs_f32']:>6.2f} {r['matvec_gbs_vs_q4g']:>6.2f} "
+                      f"{r['matvec_gbs_vs_q4g_paired'][1]:>6.2f} | "
+                      f"{r['matmul_ms']:>11.3f} {r['matmul_gbs']:>6.1f} {r['matmul_vs_f32']:>6.2f} "
+                      f"{r['matmul_gbs_vs_q4g']:>6.2f} {r['matmul_gbs_vs_q4g_paired'][1]:>6.2f}")
             rows.append(row)
         del sets, fns
     targets = [{"shape": row["name"], "threads": row["threads"], "op": op,
                 "mxfp4_gbs_vs_q4g": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g"],
-                "met": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g"] >= 1.0}
+                "mxfp4_gbs_vs_q4g_paired": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g_paired"],
+                "met": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g_paired"][1] >= 1.0}
                for row in rows for op in ("matvec", "matmul")]
     for t in targets:
-        print(f"target mxfp4 >= q4g GB/s, {t['op']} on {t['shape']}, {t['threads']} thread(s): "
-              f"{t['mxfp4_gbs_vs_q4g']:.2f} {'met' if t['met'] else 'MISSED'}")
+        q1, median, q3 = t["mxfp4_gbs_vs_q4g_paired"]
+        print(f"target mxfp4 >= q4g GB/s, {t['op']} on {t['shape']}, {t['threads']} thread(s): paired median "
+              f"{median:.2f} (quartiles {q1:.2f}-{q3:.2f}; best rounds {t['mxfp4_gbs_vs_q4g']:.2f}) "
+              f"{'met' if t['met'] else 'MISSED'}")
     return {"shapes": rows, "targets": targets}
 
 
