@@ -389,7 +389,9 @@ def measure_k3_experts(rounds: int) -> dict[str, object]:
     format's best round, and (`paired`) the median and quartiles over rounds of the ratio within
     a round. The best rounds of two formats may come from different moments of a noisy host (on
     this Xeon they put MXFP4 per byte anywhere in 0.87-1.06 from run to run); a round's two
-    bursts, seconds apart, see the same host, so the target is judged on the paired median.
+    bursts, seconds apart, see the same host. But a format whose rounds vary more than the
+    other's moves the paired median too (at 2 threads Q4G's did: paired 1.05-1.27 where the best
+    rounds gave 0.90-0.96, 2026-12-04), so the target counts as met only when both are >= 1.
     """
     rng = np.random.default_rng(3)
     rows = []
@@ -435,7 +437,8 @@ def measure_k3_experts(rounds: int) -> dict[str, object]:
     targets = [{"shape": row["name"], "threads": row["threads"], "op": op,
                 "mxfp4_gbs_vs_q4g": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g"],
                 "mxfp4_gbs_vs_q4g_paired": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g_paired"],
-                "met": row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g_paired"][1] >= 1.0}
+                "met": min(row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g"],
+                           row["formats"]["mxfp4"][f"{op}_gbs_vs_q4g_paired"][1]) >= 1.0}
                for row in rows for op in ("matvec", "matmul")]
     for t in targets:
         q1, median, q3 = t["mxfp4_gbs_vs_q4g_paired"]
