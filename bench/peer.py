@@ -282,7 +282,8 @@ def main() -> int:
     buffers = copy_buffers()
     copies = [bandwidth["gbps"]]  # GB/s: before the rounds, then one per round
     # A plain read of memory beside each copy: the copy counts its writes too, and a decode only
-    # reads, so this is the most a decode's weight stream could reach (the copy's target may not be).
+    # reads. (mini's weights may partly stay in a large last-level cache between steps, where they
+    # stream faster than either: neither is a hard bound for this model.)
     reads = [read_bandwidth(buffers[0], threads=args.threads)["gbps"]]
     log(f"plain read of memory {reads[0]:.1f} GB/s on {args.threads} threads")
     t0 = time.time()

@@ -174,9 +174,11 @@ def _read_all(a, parts):
 def read_bandwidth(buffer: np.ndarray, rounds: int = 5, threads: int = 1) -> dict[str, float]:
     """This machine's plain read of memory on `threads` cores: the best of `rounds` sums of a
     float32 `buffer` (a `copy_buffers` source), counting its bytes once: {buffer_bytes, threads,
-    best_seconds, gbps}. What a kernel that only reads its weights (a decode step) could reach at
-    best, beside `copy_bandwidth`, which counts a copy's reads and writes: on a 2-core VM whose
-    copy ran at 47 GB/s, this read ran at 32."""
+    best_seconds, gbps}. What a kernel that only reads its weights (a decode step) could reach
+    from memory, beside `copy_bandwidth`, which counts a copy's reads and writes: on a 2-core VM
+    whose copy of 512 MB ran at 47 GB/s, this read ran at 32. Weights that stay in the last-level
+    cache between calls can stream faster (a 35 MB matvec there ran at 57 GB/s, called again and
+    again), so it bounds a model larger than that cache, not a smaller one."""
     if threads < 1:
         raise WasteError(f"threads must be at least 1, got {threads}")
     rows = np.ascontiguousarray(buffer, np.float32).reshape(-1)
