@@ -362,23 +362,19 @@ def _prefetch_to_l2(typingctx, arr, byte_offset):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                                            "llvm.prefetch.p0")
-        address = builder.gep(builder.bitcast(data, i8p), [args[1]])
-        builder.call(fn, [address, *(ir.Constant(_I32, v) for v in (0, 2, 1))])
+        _prefetch(builder, builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]]), locality=2)
         return context.get_dummy_value()
 
     return types.void(arr, byte_offset), codegen
 
 
-def _prefetch(builder: ir.IRBuilder, address: ir.Value) -> None:
-    """llvm.prefetch of the line at `address` (read, keep in all levels, data). A prefetch never
-    faults, so one past the end of an array is harmless."""
+def _prefetch(builder: ir.IRBuilder, address: ir.Value, locality: int = 3) -> None:
+    """llvm.prefetch of the line at `address` (read, data; locality 3 keeps it in all levels, 2
+    in L2 and below). A prefetch never faults, so one past the end of an array is harmless."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                         "llvm.prefetch.p0")
-    builder.call(fn, [builder.bitcast(address, i8p), *(ir.Constant(_I32, v) for v in (0, 3, 1))])
+    builder.call(fn, [builder.bitcast(address, i8p), *(ir.Constant(_I32, v) for v in (0, locality, 1))])
 
 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:

@@ -1,8 +1,8 @@
 """Several products of one input in one kernel call: a chunk's projections of the same rows
-(KDA's q, k, v, f_a, b and gate, a SwiGLU's gate and up). The input is prepared once (quantised
-for q formats, rounded to bf16 for bf16) instead of once per matrix, and every matrix's row
-blocks share one parallel region, where a narrow matrix alone (KDA's b, 8 rows) leaves a core
-idle."""
+(KDA's q, k, v, f_a, b and gate). The input is prepared once (quantised for q formats, rounded
+to bf16 for bf16) instead of once per matrix, and every matrix's row blocks share one parallel
+region, where a narrow matrix alone (KDA's b, 8 rows) leaves a core idle. (A SwiGLU's gate and
+up pair gained nothing this way: `waste.kernels.quant.matmul_pair` runs q pairs faster.)"""
 
 from __future__ import annotations
 
