@@ -128,6 +128,45 @@ def fresh_memory_cost(total: int = 4 << 30, piece: int = 256 << 20) -> list[floa
     return costs
 
 
+def thread_cpu_seconds() -> dict[int, tuple[float, float]]:
+    """{native thread id: (user, system) CPU seconds} of this process's threads so far, from
+    /proc/self/task (Linux; empty elsewhere): what `thread_cpu_split` takes apart."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (int(fields[11]) / tick, int(fields[12]) / tick)  # utime, stime
+    return out
+
+
+def thread_cpu_split(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]],
+                     groups: dict[str, Callable[[int, str], bool]]) -> dict[str, dict[str, float]]:
+    """CPU seconds (user, system) each group of threads used between two `thread_cpu_seconds`
+    snapshots; a thread goes to the first group whose test (native id, Python thread name or "")
+    accepts it, else to "other" (threads Python did not start: Numba's workers)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    split: dict[str, dict[str, float]] = {}
+    for tid, (user, system) in after.items():
+        user0, system0 = before.get(tid, (0.0, 0.0))
+        name = names.get(tid, "")
+        group = next((g for g, test in groups.items() if test(tid, name)), "other")
+        acc = split.setdefault(group, {"user_s": 0.0, "system_s": 0.0, "threads": 0})
+        acc["user_s"] += user - user0
+        acc["system_s"] += system - system0
+        acc["threads"] += 1
+    return split
+
+
 def thread_counts() -> tuple[int, ...]:
     """The thread counts every ratio is reported at: one, and all cores (once on a 1-core machine)."""
     return tuple(sorted({1, num_threads()}))

@@ -49,6 +49,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ import numpy as np
 from waste.analysis.budget import copy_bandwidth, decode_speed_bound, predict_run
 from waste.analysis.machine import Bandwidth, Bandwidths, measure_memory
 from waste.container import open_container
-from waste.engine.experts import MmapExpertStore, StreamingExpertStore
+from waste.engine.experts import READER_THREAD_PREFIX, MmapExpertStore, StreamingExpertStore
 from waste.engine.memory import measure_runtime, peak_rss, plan_run_memory
 from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS
 from waste.expert_io import DEFAULT_IO
@@ -126,13 +127,27 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         token = int(np.argmax(session.last_logits))
         step_s = []
         warm_stats = None
+        warm_regions, warm_threads = dict(model.times.seconds), common.thread_cpu_seconds()
         for i in range(args.new):
             if i == args.warm:
                 warm_stats = store.stats.total.as_dict()
+                warm_regions, warm_threads = dict(model.times.seconds), common.thread_cpu_seconds()
             t0 = time.perf_counter()
             token = int(np.argmax(model.decode(session, token)))
             step_s.append(time.perf_counter() - t0)
         total, cpu2 = store.stats.total, resource.getrusage(resource.RUSAGE_SELF)
+        steady_tokens = max(1, args.new - args.warm)
+        # Where a steady decode step's time goes: each region of the model (`Model.times`; "moe"
+        # includes waiting for the store), and whose CPU it took: the thread that runs the model,
+        # the store's reader threads (reads, CRC checks), the rest (Numba's workers).
+        steady_region_ms = {k: 1000 * (v - warm_regions.get(k, 0.0)) / steady_tokens
+                            for k, v in model.times.seconds.items()}
+        main_tid = threading.main_thread().native_id
+        steady_thread_cpu = common.thread_cpu_split(warm_threads, common.thread_cpu_seconds(), {
+            "model": lambda tid, name: tid == main_tid,
+            "expert readers": lambda tid, name: name.startswith(READER_THREAD_PREFIX)})
+        steady_thread_cpu_ms = {g: {k: (1000 * v / steady_tokens if k != "threads" else v) for k, v in d.items()}
+                                for g, d in steady_thread_cpu.items()}
         peak_after_decode, layer_seconds = peak_rss(), dict(model.times.seconds)
         warm_prefill: dict[str, Any] = {}
         if args.warm_prompt_len:
@@ -176,7 +191,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             "decode_guessed_steady": steady_guessed / steady_misses if is_streaming(args.child) and steady_misses
             else None,
             "decode_stats": total.as_dict(), "peak_rss": peak_after_decode,
-            "layer_seconds": layer_seconds, **warm_prefill,
+            "layer_seconds": layer_seconds, "decode_steady_region_ms_per_token": steady_region_ms,
+            "decode_steady_thread_cpu_ms_per_token": steady_thread_cpu_ms, **warm_prefill,
         }
         store.close()
     return out
@@ -288,6 +304,14 @@ def main() -> int:
               f"{r['prefill_faults']['major']} major page faults; the decode {sum(r['decode_step_s']):.1f} s and "
               f"{r['decode_cpu_user_s']:.1f} s user, {r['decode_cpu_sys_s']:.1f} s system CPU, "
               f"{r['decode_faults']['minor']} minor and {r['decode_faults']['major']} major page faults")
+    for r in results:
+        regions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["decode_steady_region_ms_per_token"].items(),
+                                                              key=lambda kv: -kv[1]) if v >= 0.5)
+        cpu = ", ".join(f"{g} {d['user_s'] + d['system_s']:.0f}"
+                        for g, d in r["decode_steady_thread_cpu_ms_per_token"].items())
+        steady = r["decode_step_s"][args.warm:]
+        print(f"{r['store']}: a steady decode step {1000 * sum(steady) / len(steady):.0f} ms: {regions} ms; "
+              f"CPU ms by thread: {cpu}")
     decode = {r["store"]: r["decode_tps_steady"] for r in results}
     for a, b in (("streaming", "mmap"), ("streaming", "mmap-unguessed"), ("streaming-unguessed", "mmap-unguessed")):
         if a in decode and b in decode:

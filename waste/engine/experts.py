@@ -82,6 +82,9 @@ SPARE_BUFFERS = 16
 # 18 GiB cache, 1.9 GB/s disk) a steady decode step took 259-298 ms unguessed, 253 guessing
 # one layer ahead, 199 two and 204 three (85-88% of the misses guessed at each depth).
 GUESS_LAYERS = 2
+# The names of the reader threads (Python numbers them: waste-expert-read_0, ...), by which a
+# benchmark tells their CPU time from the model's.
+READER_THREAD_PREFIX = "waste-expert-read"
 
 
 class StreamingExpertStore(ExpertStore):
@@ -141,7 +144,7 @@ class StreamingExpertStore(ExpertStore):
         self._fd: int | None = self._open(io == "direct")
         if self._page_cache is not None:
             self.io_mode = "page-cache"
-        self._pool = ThreadPoolExecutor(self.read_threads, "waste-expert-read") if self.read_threads > 1 else None
+        self._pool = ThreadPoolExecutor(self.read_threads, READER_THREAD_PREFIX) if self.read_threads > 1 else None
 
     @property
     def cached_bytes(self) -> int:
