@@ -34,7 +34,9 @@ decode bound at the hit rate measured and what `waste plan` predicts (`predict_r
 code: uniform routing, at the RAM and runtime the run planned with), its cold prefill bound
 (expert bytes over the disk's speed, compute left out), with the NVMe bandwidth (a sequential
 O_DIRECT read of experts.bin) and the RAM bandwidth `waste plan` measures (what the q8g matvec
-reads, `measure_memory`) taken in the same run.
+reads, `measure_memory`) taken in the same run; and where a steady decode step's time went: the
+model's regions (`Model.times`, the MoE's including its waits for the store) and the CPU of the
+thread running the model, the store's reader threads and the rest (Numba's workers).
 Other engineers may share the cores: the load average is recorded before and after.
 
     python bench/scale.py [--dir D] [--preset kimi-linear-48b-a3b] [--prompt-len 512] [--new 64]
