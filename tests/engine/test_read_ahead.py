@@ -136,10 +136,36 @@ def test_a_damaged_blob_read_ahead_fails_the_step_only_when_used(tmp_path: Path,
     with open_container(copy) as c, StreamingExpertStore(c, 99 * blob, read_threads=4) as store:
         with store.read_ahead(layers[:2]):
             store.get(layers[0], list(range(c.config.num_experts)))
-            wait([task for _, task, _ in store._ahead.values()])  # (layers[1], 5) read and its check failed
+            wait([task for _, task, _ in store._ahead.values()])  # (layers[1], 5) read, never checked
             store.get(layers[1], [0, 3])
         store.verify_pending()
         assert store.stats.layer(layers[1]).unused_bytes == (c.config.num_experts - 2) * blob
+
+
+def test_a_blob_read_ahead_is_checked_only_when_asked_for(tmp_path: Path, q4: Path) -> None:
+    """A read issued ahead is checked once its layer asks for the blob, in a reader thread: a wrong
+    guess is never checked (on this VM a blob's first touch after an O_DIRECT read costs about
+    as much as its CRC), a right one is, and a damaged one asked for fails the request."""
+    copy = tmp_path / "c.waste"
+    shutil.copytree(q4, copy)
+    with open_container(copy) as c:
+        layer = c.config.moe_layers[1]
+    _flip_byte(copy, layer, 4)
+    with open_container(copy) as c, StreamingExpertStore(c, 0, read_threads=4) as store:
+        checked = []
+        check = c.check_expert
+        c.check_expert = lambda lay, e, buf: checked.append((lay, e)) or check(lay, e, buf)  # type: ignore[method-assign]
+        store.guess(layer, [1, 4, 6])
+        wait([task for _, task, _ in store._ahead.values()])
+        assert checked == []  # read, not yet asked for
+        store.get(layer, [1, 6])  # 4, damaged, guessed wrongly: dropped unchecked
+        assert sorted(checked) == [(layer, 1), (layer, 6)]
+        assert store.stats.layer(layer).ahead_used == 2
+        store.guess(layer, [4])
+        wait([task for _, task, _ in store._ahead.values()])
+        with pytest.raises(ContainerError, match="experts.bin: CRC mismatch"):
+            store.get(layer, [4])
+        assert checked[-1] == (layer, 4) and (layer, 4) not in store.cached_keys()
 
 
 GUESS_STEPS = 10

@@ -37,7 +37,8 @@ the budget: GUESS_LAYERS + 1 times the bytes of one guess, the working memory of
 (POSIX_FADV_WILLNEED), which reads the blobs into the page cache for the map's faults.
 
 Integrity (issue 14): each blob read is checked against its CRC32C, in the reader thread right
-after the read, but off the critical path: `fetch` hands the blob out as soon as its read
+after the read (a blob read ahead: once its layer asks for it, so a wrong guess is never checked),
+but off the critical path: `fetch` hands the blob out as soon as its read
 finishes and the check runs meanwhile. The caller waits for the checks with `verify_pending`
 before it gives out anything computed from the blobs (the model does at the end of every step,
 and before it reports any other error of the step), which
@@ -194,11 +195,13 @@ class StreamingExpertStore(ExpertStore):
             read: dict[Future[np.ndarray], int] = {}
             for i in order:
                 if i in ahead:
-                    arrived, checks[i], _ = ahead[i]
+                    arrived, task, _ = ahead[i]
+                    checks[i] = self._check_when_read(layer, ids[i], task, arrived) if self._verify else task
                 else:
                     arrived = Future()
-                    checks[i] = self._pool.submit(self._read_then_check, layer, ids[i], *spans[i], times, arrived)
-                queued.append(checks[i])
+                    task = checks[i] = self._pool.submit(self._read_then_check, layer, ids[i], *spans[i], times,
+                                                         arrived)
+                queued.append(task)
                 read[arrived] = i
             arrivals: Iterator[tuple[int, np.ndarray]] = _as_completed(read)
         else:
@@ -303,7 +306,8 @@ class StreamingExpertStore(ExpertStore):
                 break
             room -= nbytes
             arrived: Future[np.ndarray] = Future()
-            task = self._pool.submit(self._read_then_check, layer, e, offset, nbytes, times, arrived)
+            # Read only: the check waits until the layer asks for the blob (`_check_when_read`).
+            task = self._pool.submit(self._read_then_check, layer, e, offset, nbytes, times, arrived, False)
             self._ahead[(layer, e)] = (arrived, task, nbytes)
             self._ahead_bytes += nbytes
             issued = True
@@ -411,12 +415,12 @@ class StreamingExpertStore(ExpertStore):
             self.io_note = note
 
     def _read_then_check(self, layer: int, expert: int, offset: int, nbytes: int,
-                         times: list[tuple[float, float]], arrived: Future[np.ndarray]) -> None:
+                         times: list[tuple[float, float]], arrived: Future[np.ndarray], check: bool = True) -> None:
         """In a reader thread: read one blob, hand it to `arrived` (appending the times the read
-        started, its buffer included, and finished to `times`), then check its CRCs (the CRC
-        releases the GIL). A 436 KiB `mini` blob checked at 14-16 GB/s right after its O_DIRECT
-        read; read in 256 KiB pieces, each checked right after its read, 12-14 GB/s (shared
-        machine). A failed check is this task's exception; a failed read is `arrived`'s."""
+        started, its buffer included, and finished to `times`), then, with `check`, check its CRCs
+        (the CRC releases the GIL). A 436 KiB `mini` blob checked at 14-16 GB/s right after its
+        O_DIRECT read; read in 256 KiB pieces, each checked right after its read, 12-14 GB/s
+        (shared machine). A failed check is this task's exception; a failed read is `arrived`'s."""
         start = time.perf_counter()
         try:
             buf = self._read(offset, nbytes)
@@ -425,8 +429,41 @@ class StreamingExpertStore(ExpertStore):
             return
         times.append((start, time.perf_counter()))
         arrived.set_result(buf)
-        if self._verify:
+        if check and self._verify:
             self.container.check_expert(layer, expert, buf)
+
+    def _check_when_read(self, layer: int, expert: int, read: Future[None],
+                         arrived: Future[np.ndarray]) -> Future[None]:
+        """The check of a blob read ahead, now that its layer asks for it: a reader thread runs it
+        once the read (`read`) has finished. A blob read ahead and never asked for is never checked:
+        on the 48B from disk about a sixth of what a decode step's guesses read went unused (and a
+        blob's first touch after an O_DIRECT read costs about as much as the CRC itself, README).
+        The callback holds no reference to `read` (the future passes itself): a cycle through it
+        would keep the blob's buffer from being reused until the garbage collector ran."""
+        checked: Future[None] = Future()
+
+        def queue(done: Future[None]) -> None:
+            try:
+                self._pool.submit(self._check_read_ahead, layer, expert, done, arrived, checked)  # type: ignore[union-attr]
+            except RuntimeError:  # the pool is shutting down (close): check here
+                self._check_read_ahead(layer, expert, done, arrived, checked)
+
+        read.add_done_callback(queue)
+        return checked
+
+    def _check_read_ahead(self, layer: int, expert: int, read: Future[None], arrived: Future[np.ndarray],
+                          checked: Future[None]) -> None:
+        """`_check_when_read`'s check: passes at once when the read was cancelled or failed
+        (`arrived` carries a failed read's error), else the blob's CRCs decide."""
+        if read.cancelled() or not arrived.done() or arrived.exception() is not None:
+            checked.set_result(None)
+            return
+        try:
+            self.container.check_expert(layer, expert, arrived.result())
+        except BaseException as e:
+            checked.set_exception(e)
+        else:
+            checked.set_result(None)
 
     def _read_inline(self, layer: int, expert: int, offset: int, nbytes: int, times: list[tuple[float, float]],
                      checks: dict[int, Future[None]], index: int) -> np.ndarray:
