@@ -316,8 +316,8 @@ class StreamingExpertStore(ExpertStore):
     def _drop_ahead(self, keys: list[tuple[int, int]]) -> None:
         """Forget reads issued ahead: cancel those not started; the others, counted as read and
         unused, give their buffers to the spares once they finish (without waiting for them: a
-        wrong guess still being read must not hold up the step; a failed check does not matter,
-        nothing used the blob)."""
+        wrong guess still being read must not hold up the step). They are never checked: nothing
+        used them (`_check_when_read`)."""
         for key in keys:
             arrived, task, nbytes = self._ahead.pop(key)
             self._ahead_bytes -= nbytes
