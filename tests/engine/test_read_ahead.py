@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from concurrent.futures import wait
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +167,23 @@ def test_a_blob_read_ahead_is_checked_only_when_asked_for(tmp_path: Path, q4: Pa
         with pytest.raises(ContainerError, match="experts.bin: CRC mismatch"):
             store.get(layer, [4])
         assert checked[-1] == (layer, 4) and (layer, 4) not in store.cached_keys()
+
+
+def test_blobs_read_ahead_that_have_arrived_are_ready_with_the_hits(q4: Path) -> None:
+    """fetch hands out its hits, then the blobs read ahead that have arrived, without waiting:
+    `ready` counts both, so the MoE layer computes them in one call; a read still to be done
+    (here, one issued by the fetch itself) comes after them."""
+    with open_container(q4) as c, StreamingExpertStore(c, 1 << 30, read_threads=4) as store:
+        layer = c.config.moe_layers[1]
+        store.get(layer, [2])  # cached: a hit below
+        store.guess(layer, [1, 4])
+        wait([task for _, task, _ in store._ahead.values()])
+        arrivals = store.fetch(layer, [1, 2, 4, 6])
+        assert arrivals.ready == 3
+        assert [i for i, _ in islice(arrivals, arrivals.ready)] == [1, 0, 2]  # the hit, then ids 1 and 4
+        assert [i for i, _ in arrivals] == [3]
+        st = store.stats.layer(layer)
+        assert (st.hits, st.misses, st.ahead_used) == (1, 1 + 3, 2)  # the get of 2 was a miss
 
 
 GUESS_STEPS = 10

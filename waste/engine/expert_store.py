@@ -59,7 +59,8 @@ class ExpertStore(ABC):
     def fetch(self, layer: int, expert_ids: Sequence[int]) -> Arrivals:
         """An iterator of (index into expert_ids, expert), one for every id asked for, in the order
         they become available; a store that reads from disk issues the reads at the call and hands
-        out its hits first (`ready` of them). Once exhausted, the counters and the cache are as
+        out first its hits, then the experts it read ahead that have arrived (`ready` of them in
+        all). Once exhausted, the counters and the cache are as
         `get` leaves them. The data checks of what it handed out may still be running: call
         `verify_pending` before using any result computed from them."""
         experts = self.get(layer, expert_ids)

@@ -204,8 +204,12 @@ class StreamingExpertStore(ExpertStore):
                 queued.append(task)
                 read[arrived] = i
             arrivals: Iterator[tuple[int, np.ndarray]] = _as_completed(read)
+            # Blobs read ahead that have arrived come out of _as_completed first, without waiting:
+            # ready with the hits, so the MoE layer computes them in one call with those.
+            arrived_already = sum(f.done() for f in read)
         else:
             arrivals = ((i, self._read_inline(layer, ids[i], *spans[i], times, checks, i)) for i in order)
+            arrived_already = 0
         self._read_next(layer)
 
         def hand_out() -> Iterator[tuple[int, Expert]]:
@@ -236,7 +240,7 @@ class StreamingExpertStore(ExpertStore):
             st.hits += int(hits.sum())
             st.misses += len(missing)
 
-        return Arrivals(hand_out(), len(found))
+        return Arrivals(hand_out(), len(found) + arrived_already)
 
     @contextmanager
     def read_ahead(self, layers: Sequence[int]) -> Iterator[None]:
