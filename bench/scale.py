@@ -272,8 +272,10 @@ def main() -> int:
     mem = copy_bandwidth(threads=numba.config.NUMBA_NUM_THREADS)
     reads = measure_memory()  # what `waste plan` plans with
     fresh = common.fresh_memory_cost()
+    reporting = ("; this guest's balloon gives freed memory back to its host, so memory freed a while ago "
+                 "costs more (common.free_page_reporting)") if info["free_page_reporting"] else ""
     print("fresh memory (4 GB of new anonymous maps, populated): " +
-          ", ".join(f"{s:.2f}" for s in fresh) + " s of system CPU per GB, GB by GB")
+          ", ".join(f"{s:.2f}" for s in fresh) + f" s of system CPU per GB, GB by GB{reporting}")
     print(f"{path}: trunk {counts['trunk_bytes'] / 1e9:.2f} GB, experts {counts['expert_bytes'] / 1e9:.2f} GB"
           f"{'' if synth_s is None else f', synthesised in {synth_s:.0f} s'}; experts.bin read "
           f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}), RAM copy {mem['gbps']:.1f} GB/s, q8g matvec reads "
