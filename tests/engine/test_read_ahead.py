@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from concurrent.futures import wait
 from itertools import islice
 from pathlib import Path
@@ -178,9 +179,19 @@ def test_blobs_read_ahead_that_have_arrived_are_ready_with_the_hits(q4: Path) ->
         store.get(layer, [2])  # cached: a hit below
         store.guess(layer, [1, 4])
         wait([task for _, task, _ in store._ahead.values()])
+        # The read of expert 6 waits until the ready ones are out: a finished read would be ready too.
+        released, read, held_back = threading.Event(), store._read, c.expert_span(layer, 6)[0]
+
+        def read_when_released(offset: int, nbytes: int) -> np.ndarray:
+            if offset == held_back:
+                assert released.wait(30)
+            return read(offset, nbytes)
+
+        store._read = read_when_released  # type: ignore[method-assign]
         arrivals = store.fetch(layer, [1, 2, 4, 6])
         assert arrivals.ready == 3
         assert [i for i, _ in islice(arrivals, arrivals.ready)] == [1, 0, 2]  # the hit, then ids 1 and 4
+        released.set()
         assert [i for i, _ in arrivals] == [3]
         st = store.stats.layer(layer)
         assert (st.hits, st.misses, st.ahead_used) == (1, 1 + 3, 2)  # the get of 2 was a miss
