@@ -14,8 +14,9 @@ phases whose semantics docs/TRACE.md fixes and `waste.analysis.cache_sim` replay
    whole budget is never cached, so a budget of 0 caches nothing.
 
 `fetch` is `get` for a caller that computes while the misses arrive: it hands out the hits
-at once and each miss as soon as its read finishes, and runs the touch phase when the last
-one has been handed out, so the cache ends in the state `get` leaves.
+at once, then the misses read ahead whose reads have finished (`Arrivals.ready` counts both),
+then each other miss as soon as its read finishes, and runs the touch phase when the last one
+has been handed out, so the cache ends in the state `get` leaves.
 
 Read-ahead (`read_ahead`, for a prefill pass long enough that every expert of every MoE layer
 will be routed): while one layer's request is served, the next layer's uncached experts are
