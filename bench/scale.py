@@ -114,7 +114,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         memory = plan_run_memory(c, context, chunk=args.prefill_chunk, pass_tokens=PREFILL_PASS_TOKENS,
                                  runtime=runtime, decode_tokens=args.new, available=available)
         if is_streaming(args.child):
-            store: Any = StreamingExpertStore(c, memory.cache_budget, "lru", args.read_threads, store_io(args.child))
+            store: Any = StreamingExpertStore(c, memory.cache_budget, "lru", args.read_threads, store_io(args.child),
+                                              memory.prefill_cache_budget)
         else:
             store = MmapExpertStore(c, advise_guesses=True)
         model.store = store
@@ -175,6 +176,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             "io_note": getattr(store, "io_note", ""),
             "cache_dropped": dropped, "memory_plan": memory.as_dict(),
             "cache_budget": getattr(store, "budget_bytes", None),
+            "prefill_cache_budget": getattr(store, "prefill_budget_bytes", None),
             "read_ahead_peak": getattr(store, "read_ahead_peak", None),
             "prefill_s": prefill_s, "prefill_tps": args.prompt_len / prefill_s, "prefill_stats": prefill,
             # CPU seconds of all the process's threads during the cold prefill: user (kernels, checks)

@@ -21,15 +21,20 @@ from waste.testing import tiny_container
 RATES = Bandwidths(Bandwidth(2.0, "given"), Bandwidth(10.0, "given"))
 
 
+# A context whose prompt works in less memory (1 MB) than half the experts of the q4 container
+# below take (2 MB), so that a plan can cache half of them while a prompt still fits.
+CONTEXT = 64
+
+
 @pytest.fixture(scope="module")
 def q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_container(tmp_path_factory, quant="q4")
+    return tiny_container(tmp_path_factory, quant="q4", overrides={"num_experts": 256})
 
 
 def _ram_for_half_the_experts(plan, runtime: int) -> int:
-    """RAM whose run plan leaves a cache of half the experts (headroom at its 256 MiB floor)."""
+    """RAM whose run plan leaves a decode cache of half the experts (headroom at its 256 MiB floor)."""
     zero = predict_run(plan, 0, RATES, runtime=runtime).memory
-    return zero.resident + zero.headroom + plan.weights.experts_total // 2
+    return zero.decode_resident + zero.headroom + plan.weights.experts_total // 2
 
 
 def test_cli_prediction_is_predict_run(q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -59,7 +64,7 @@ def test_cli_prediction_is_predict_run(q4: Path, tmp_path: Path, monkeypatch: py
 
 
 def test_uniform_routing_hit_rate_is_the_cached_fraction(q4: Path) -> None:
-    plan = make_plan(str(q4))
+    plan = make_plan(str(q4), context=CONTEXT)
     runtime = 300 << 20
     ram = _ram_for_half_the_experts(plan, runtime)
     p = predict_run(plan, ram, RATES, runtime=runtime)
@@ -68,7 +73,7 @@ def test_uniform_routing_hit_rate_is_the_cached_fraction(q4: Path) -> None:
     assert p.cached_experts == p.memory.cache_budget // plan.weights.per_expert and 0 < p.cached_experts < total
     assert p.hit_rate == p.cached_experts / total and "uniform" in p.hit_rate_source
     bound = decode_speed_bound(plan, p.hit_rate, 2.0, 10.0)
-    assert p.bound == bound and p.memory.planned_peak == p.memory.resident + p.memory.cache_budget
+    assert p.bound == bound and p.memory.planned_peak == p.memory.decode_resident + p.memory.cache_budget
     short = predict_run(plan, 1 << 20, RATES, runtime=runtime)
     assert not short.fits and "does NOT fit" in short.describe()
 
@@ -79,7 +84,7 @@ def test_trace_gives_the_hit_rate(q4: Path, tmp_path: Path, capsys: pytest.Captu
     assert main(["run", str(q4), "--prompt-ids", ids, "--max-new", "24", "--trace-out", str(trace_path)]) == 0
     capsys.readouterr()
     trace = load(trace_path)
-    plan = make_plan(str(q4))
+    plan = make_plan(str(q4), context=CONTEXT)
     runtime = 300 << 20
     p = predict_run(plan, _ram_for_half_the_experts(plan, runtime), RATES, runtime=runtime, trace=trace,
                     trace_name="t.npz")
@@ -133,7 +138,7 @@ def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_p
     RAM it planned with, and what `waste plan` (predict_run) predicts for that RAM."""
     from waste.analysis.whatif import measured_points
 
-    plan = make_plan(str(q4))
+    plan = make_plan(str(q4), context=CONTEXT)
     runtime = 300 << 20
     ram = _ram_for_half_the_experts(plan, runtime)
     predicted = predict_run(plan, ram, RATES, runtime=runtime)

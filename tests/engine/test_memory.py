@@ -30,17 +30,44 @@ def q4(tmp_path_factory):
 
 def _plan(**kw: int) -> MemoryPlan:
     base = dict(available=10_000, headroom=1_000, runtime=2_000, trunk=3_000, mla_weights=100, state=200,
-                working=700, experts_total=5_000)
+                working=700, experts_total=5_000, decode_working=300)
     return MemoryPlan(**{**base, **kw})
 
 
 def test_plan_arithmetic() -> None:
+    """The cache takes what a decode step does not work in: the prefill's extra working memory
+    while a prompt is read, and the same peak either way."""
     p = _plan()
-    assert p.resident == 6_000 and p.cache_budget == 3_000 and not p.experts_fit
+    assert p.resident == 6_000 and p.prefill_cache_budget == 3_000 and not p.experts_fit
+    assert p.decode_resident == 5_600 and p.cache_budget == 3_400
     assert p.planned_peak == 9_000 and "streaming, cache budget" in p.describe()
+    assert "while a prompt is read" in p.describe()
     fits = _plan(experts_total=2_000)
     assert fits.experts_fit and fits.planned_peak == 8_000 and "memory map" in fits.describe()
-    assert _plan(available=5_000).cache_budget == 0
+    # Experts that would fit only in the decode's budget stream: a prompt would not leave them room.
+    assert not _plan(experts_total=3_200).experts_fit
+    assert _plan(available=5_000).cache_budget == 0 and _plan(available=5_000).prefill_cache_budget == 0
+    assert _plan(available=6_500).prefill_cache_budget == 0 and _plan(available=6_500).cache_budget == 0
+    assert _plan(available=6_800).prefill_cache_budget == 0 and _plan(available=6_800).cache_budget == 200
+
+
+def test_a_decode_step_works_in_less_than_a_prefill_pass(q4) -> None:
+    """plan_memory: a decode step's working memory is its few experts (its misses and guesses), a
+    prefill pass's a whole layer of routed experts; the difference is the cache's gain."""
+    from waste.engine.experts import GUESS_LAYERS
+    from waste.plan import container_weight_bytes
+
+    with open_container(q4) as c:
+        cfg = c.config
+        per_expert = container_weight_bytes(c).per_expert
+        plan = plan_run_memory(c, 600, chunk=32, pass_tokens=2048, runtime=0, decode_tokens=64, available=1 << 30)
+        assert plan.working - plan.decode_working > (cfg.num_experts - (1 + GUESS_LAYERS)
+                                                     * cfg.num_experts_per_token) * per_expert
+        assert plan.decode_working > (1 + GUESS_LAYERS) * cfg.num_experts_per_token * per_expert
+        assert plan.cache_budget - plan.prefill_cache_budget == plan.working - plan.decode_working
+        # A one-token prompt works in no more than a decode step.
+        short = plan_run_memory(c, 1, chunk=32, pass_tokens=2048, runtime=0, decode_tokens=0, available=1 << 30)
+        assert short.working == short.decode_working
 
 
 def test_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,6 +127,7 @@ def test_default_streams_when_the_experts_do_not_fit(q4, tmp_path, monkeypatch, 
     streamed = _run([*argv, "--logits-out", str(tmp_path / "b.npy")], capsys)
     first = streamed.splitlines()[0]
     assert first.startswith("expert store: streaming, cache budget") and "resident" in first
+    assert "while a prompt is read" in first and "while the prompt was read)" in streamed
     # O_DIRECT by default (buffered where this file system refuses it)
     assert re.search(r"store (direct|buffered)", streamed) and "planned peak" in streamed and "peak RSS" in streamed
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
@@ -114,6 +142,33 @@ def test_default_streams_when_the_experts_do_not_fit(q4, tmp_path, monkeypatch, 
     # Room for every expert: the map, each expert copied into memory as it is first used; the same logits.
     assert "expert store:" not in roomy and "store mmap (experts copied into memory)" in roomy
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy"))
+
+
+def test_the_cache_keeps_to_the_prefill_budget_while_a_prompt_is_read(q4) -> None:
+    """Model.prefill keeps the streaming cache to its prefill budget; the decode then fills the
+    whole budget; and the logits are those of the memory-mapped run, bit for bit."""
+    from waste.engine.expert_store import MmapExpertStore
+
+    with open_container(q4) as c:
+        experts = c.byte_counts()["expert_bytes"]
+        logits = {}
+        for name, store in (("mapped", MmapExpertStore(c)),
+                            ("streamed", StreamingExpertStore(c, experts // 2, prefill_budget_bytes=experts // 8))):
+            model = Model(c, store=store)
+            session = model.new_session(len(PROMPT) + 2 * 12)
+            rows = [model.prefill(session, PROMPT[:60], chunk=16, all_logits=False)[0]]
+            if name == "streamed":
+                assert 0 < store.cached_bytes <= experts // 8
+            for _ in range(12):
+                rows.append(model.decode(session, int(np.argmax(rows[-1]))))
+            if name == "streamed":
+                assert experts // 8 < store.cached_bytes <= experts // 2
+            rows.append(model.prefill(session, PROMPT[60:], chunk=16, all_logits=False)[0])
+            if name == "streamed":
+                assert 0 < store.cached_bytes <= experts // 8
+            logits[name] = np.stack(rows)
+            store.close()
+    np.testing.assert_array_equal(logits["mapped"], logits["streamed"])
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 32])

@@ -308,13 +308,14 @@ class RunPrediction:
 
         m, b, bw = self.memory, self.bound, self.bandwidths
         store = "memory map (every expert fits)" if m.experts_fit else \
-            f"streaming, cache {human_bytes(m.cache_budget)}"
+            f"streaming, cache {human_bytes(m.cache_budget)} ({human_bytes(m.prefill_cache_budget)} reading a prompt)"
         lines = [
             f"waste run with {human_bytes(m.available)} available (waste/engine/memory.py, as the run plans it), "
             f"the context's last {self.decode_tokens} tokens generated",
             f"  resident {human_bytes(m.resident)}: runtime {human_bytes(m.runtime)}, trunk {human_bytes(m.trunk)}, "
             f"MLA weights {human_bytes(m.mla_weights)}, state {human_bytes(m.state)}, working "
-            f"{human_bytes(m.working)}; headroom {human_bytes(m.headroom)}",
+            f"{human_bytes(m.working)} while a prompt is read ({human_bytes(m.decode_working)} decoding); "
+            f"headroom {human_bytes(m.headroom)}",
         ]
         if not self.fits:
             short = m.resident - (m.available - m.headroom)

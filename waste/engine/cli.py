@@ -88,6 +88,7 @@ def cmd_run(args: Any) -> int:
     from waste.tokenizer import require_tokenizer
 
     budget = None if args.expert_cache in (None, "mmap") else parse_size(args.expert_cache, "--expert-cache")
+    prefill_budget = budget
     outputs = dict(_output_paths(args))
     container = open_container(args.container, verify=not args.no_verify)
     tokenizer = require_tokenizer(container) if _text_args(args) else None
@@ -107,6 +108,7 @@ def cmd_run(args: Any) -> int:
                                  pass_tokens=PREFILL_PASS_TOKENS, runtime=runtime, decode_tokens=args.max_new,
                                  all_logits=bool(args.logits_out))
         budget = None if memory.experts_fit else memory.cache_budget
+        prefill_budget = None if memory.experts_fit else memory.prefill_cache_budget
         if memory.experts_fit:
             # Each expert copied into memory on huge pages on first use (the plan counts them all):
             # the map's 4 KiB pages cost the products TLB misses. `--expert-cache mmap` keeps the map.
@@ -115,7 +117,7 @@ def cmd_run(args: Any) -> int:
             # The one line saying why the run streams (stdout may carry the generated text);
             # when every expert fits, the memory-mapped store needs no word.
             print(memory.describe(), file=sys.stderr)
-    store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.expert_io)
+    store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.expert_io, prefill_budget)
     if model is None:
         model = Model(container, store=store, router_weights=args.router_weights)
     else:
@@ -174,8 +176,11 @@ def cmd_run(args: Any) -> int:
     hit = "-" if total.requests == 0 or store.io_mode == "mmap" else f"{100 * total.hit_rate:.1f}%"
     planned = f"planned peak {human_bytes(memory.planned_peak)}, " if memory is not None else ""
     held = " (experts copied into memory)" if container.experts_in_memory else ""
+    cache = human_bytes(getattr(store, "budget_bytes", 0))
+    if getattr(store, "prefill_budget_bytes", None) not in (None, getattr(store, "budget_bytes", 0)):
+        cache += f" ({human_bytes(store.prefill_budget_bytes)} while the prompt was read)"
     print(f"memory: {planned}peak RSS {human_bytes(peak_rss())}; experts: store {store.io_mode}{held}, "
-          f"cache budget {human_bytes(getattr(store, 'budget_bytes', 0))}, hit rate {hit}, "
+          f"cache budget {cache}, hit rate {hit}, "
           f"read {total.bytes_read / 1e9:.2f} GB")
     for line in written:
         print(line)

@@ -65,6 +65,12 @@ class ExpertCache:
         self.held += nbytes
         self._push(key, entry)
 
+    def resize(self, budget_bytes: int) -> None:
+        """Change the budget, evicting (by the policy) until the entries fit in it."""
+        self.budget = budget_bytes
+        while self.held > self.budget:
+            self._evict()
+
     def discard(self, key: tuple[int, int], entry: Entry) -> None:
         """Remove `key` if it holds `entry` (a blob that failed its check)."""
         if self.entries.get(key) is entry:

@@ -76,6 +76,11 @@ class ExpertStore(ABC):
         after the one asked for, in the order `layers` gives (see `waste.engine.experts`); here, nothing."""
         return nullcontext()
 
+    def prefilling(self) -> AbstractContextManager[None]:
+        """Within the block a prompt is read: a store with a smaller cache budget for prefill
+        passes keeps to it (see `waste.engine.experts`); here, nothing."""
+        return nullcontext()
+
     @property
     def takes_guesses(self) -> bool:
         """Whether `guess` can help: False when every expert is at hand, so a decode step does not

@@ -48,6 +48,14 @@ blob whose check has not finished is never handed out again before it passes: `f
 it first. `get` returns checked experts only. With one read thread (no pool) the check runs in
 the caller, before the blob is handed out.
 
+Two budgets (`prefilling`): a prefill pass holds a whole MoE layer's routed experts besides the
+cache, a decode step only a few, so a store may be given a smaller `prefill_budget_bytes` for
+the duration of a prompt: entering `prefilling` evicts down to it (by the policy), leaving it
+lets the cache grow back to `budget_bytes` as the decode reads. The memory plan sizes both
+(`waste.engine.memory`). Within a prompt and within a decode the cache behaves as above with
+the budget in force; a routing trace replayed at one capacity (`waste.analysis.cache_sim`)
+matches a run with one budget.
+
 The cache (`waste.engine.expert_cache`) charges each entry its blob's size in experts.bin
 (padding included), the size of the buffer the decoded views live in; the charge never exceeds
 the budget. Experts handed out stay valid after eviction: they hold their own buffer, read into
@@ -103,6 +111,7 @@ class StreamingExpertStore(ExpertStore):
         policy: str = "lru",
         read_threads: int = 4,
         io: str = DEFAULT_IO,
+        prefill_budget_bytes: int | None = None,
     ):
         super().__init__(container)
         if io not in IO_MODES:
@@ -114,6 +123,10 @@ class StreamingExpertStore(ExpertStore):
         if read_threads < 1:
             raise WasteError(f"read threads must be at least 1, got {read_threads}")
         self.budget_bytes = int(budget_bytes)
+        self.prefill_budget_bytes = self.budget_bytes if prefill_budget_bytes is None else int(prefill_budget_bytes)
+        if not 0 <= self.prefill_budget_bytes <= self.budget_bytes:
+            raise WasteError(f"prefill cache budget {self.prefill_budget_bytes} must be between 0 and the cache "
+                             f"budget {self.budget_bytes}")
         self.policy = policy
         self.read_threads = int(read_threads)
         self.io_note = ""
@@ -259,6 +272,16 @@ class StreamingExpertStore(ExpertStore):
             self._drop_ahead(list(self._ahead))
             self._ahead_times.clear()
 
+    @contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """Within the block (a prompt being read) the cache holds at most `prefill_budget_bytes`:
+        entering evicts down to it; leaving restores `budget_bytes`, which the decode then fills."""
+        self._cache.resize(self.prefill_budget_bytes)
+        try:
+            yield
+        finally:
+            self._cache.resize(self.budget_bytes)
+
     @property
     def read_ahead_peak(self) -> int:
         """The most bytes the cache's entries, the reads under way and the reads ahead took together
@@ -300,7 +323,7 @@ class StreamingExpertStore(ExpertStore):
         ahead, plus `beyond_budget` bytes; whether any was issued."""
         if self._pool is None:
             return False
-        room = (max(0, self.budget_bytes - self._cache.held) + beyond_budget - self._missing_bytes
+        room = (max(0, self._cache.budget - self._cache.held) + beyond_budget - self._missing_bytes
                 - self._ahead_bytes)
         spans = sorted((self.container.expert_span(layer, e), e) for e in expert_ids
                        if self._cache.lookup((layer, e)) is None and (layer, e) not in self._ahead)
@@ -526,11 +549,12 @@ def open_expert_store(
     policy: str = "lru",
     read_threads: int = 4,
     io: str = DEFAULT_IO,
+    prefill_budget_bytes: int | None = None,
 ) -> ExpertStore:
     """The store `waste run` uses: budget None maps the container, otherwise stream."""
     if budget_bytes is None:
         return MmapExpertStore(container)
-    return StreamingExpertStore(container, budget_bytes, policy, read_threads, io)
+    return StreamingExpertStore(container, budget_bytes, policy, read_threads, io, prefill_budget_bytes)
 
 
 # A module-level hook so tests can force the O_DIRECT fallback at open.

@@ -13,16 +13,19 @@ nothing, so every kernel is loaded or compiled), before it picks the expert stor
              + MLA absorbed weights (kv_b_proj widened to float32 at load)
              + session state at the run's context (KDA states, conv rings, MLA latents)
              + working buffers (one prefill pass's activations, the routed experts one
-               layer of that pass holds at once, or a decode step's misses and guesses if
-               more, one group of the routed rows a MoE layer runs together, the logits
-               rows of one chunk)
+               layer of that pass holds at once, one group of the routed rows a MoE layer
+               runs together, the logits rows of one chunk); while decoding, a decode
+               step's instead (its misses and guesses, one token's activations and logits)
     expert cache = budget - resident
 
 When every routed expert fits in the cache the container's memory map serves them (the
 page cache holds them); otherwise the streaming store reads them into a cache of exactly
-that many bytes. The run reports the planned total next to its peak RSS. `waste plan
-CONTAINER --ram R` runs the same warm-up and the same arithmetic (`plan_memory`) for a machine
-with R available (`waste.analysis.budget.predict_run`).
+that many bytes: the decode's budget between prompts, shrunk to the prefill's while a
+prompt is read (`StreamingExpertStore.prefilling`), so a decode step has the memory a
+prefill pass works in (on the 48B, a layer of routed experts: about 1 GB) as cache. The run
+reports the planned total next to its peak RSS. `waste plan CONTAINER --ram R` runs the same
+warm-up and the same arithmetic (`plan_memory`) for a machine with R available
+(`waste.analysis.budget.predict_run`).
 """
 
 from __future__ import annotations
@@ -145,45 +148,65 @@ class MemoryPlan:
     trunk: int
     mla_weights: int
     state: int
-    working: int
+    working: int  # a prefill pass's working memory (never less than a decode step's)
     experts_total: int
+    decode_working: int  # a decode step's working memory
 
     @property
     def resident(self) -> int:
+        """What the process holds besides the expert cache while it reads a prompt."""
         return self.runtime + self.trunk + self.mla_weights + self.state + self.working
 
     @property
-    def cache_budget(self) -> int:
-        """Bytes left for the expert cache (0 when even the resident part does not fit)."""
+    def decode_resident(self) -> int:
+        """What the process holds besides the expert cache while it decodes."""
+        return self.resident - self.working + self.decode_working
+
+    @property
+    def prefill_cache_budget(self) -> int:
+        """Bytes left for the expert cache while a prompt is read (0 when even the resident part does not fit)."""
         return max(0, self.available - self.headroom - self.resident)
 
     @property
+    def cache_budget(self) -> int:
+        """Bytes left for the expert cache between prompts: a decode step's working memory is
+        smaller than a prefill pass's (one layer of routed experts), and the cache takes the rest."""
+        return max(0, self.available - self.headroom - self.decode_resident)
+
+    @property
     def experts_fit(self) -> bool:
-        return self.experts_total <= self.cache_budget
+        return self.experts_total <= self.prefill_cache_budget
 
     @property
     def planned_peak(self) -> int:
         """The RSS the run should not exceed: resident + the cache (or all experts when mapped)."""
-        return self.resident + (self.experts_total if self.experts_fit else self.cache_budget)
+        if self.experts_fit:
+            return self.resident + self.experts_total
+        return max(self.resident + self.prefill_cache_budget, self.decode_resident + self.cache_budget)
 
     def describe(self) -> str:
         """One line: the store chosen and why."""
-        why = (f"{human_bytes(self.available)} available - {human_bytes(self.headroom)} headroom - "
-               f"{human_bytes(self.resident)} resident (runtime {human_bytes(self.runtime)}, trunk "
-               f"{human_bytes(self.trunk + self.mla_weights)}, state {human_bytes(self.state)}, working "
-               f"{human_bytes(self.working)})")
         if self.experts_fit:
             return (f"expert store: memory map (all {human_bytes(self.experts_total)} of experts fit in "
-                    f"{human_bytes(self.cache_budget)} = {why})")
-        return (f"expert store: streaming, cache budget {human_bytes(self.cache_budget)} = {why}; "
-                f"the experts take {human_bytes(self.experts_total)}")
+                    f"{human_bytes(self.prefill_cache_budget)} = {self._why(self.resident, self.working)})")
+        return (f"expert store: streaming, cache budget {human_bytes(self.cache_budget)} = "
+                f"{self._why(self.decode_resident, self.decode_working)}; "
+                f"{human_bytes(self.prefill_cache_budget)} while a prompt is read (working "
+                f"{human_bytes(self.working)}); the experts take {human_bytes(self.experts_total)}")
+
+    def _why(self, resident: int, working: int) -> str:
+        return (f"{human_bytes(self.available)} available - {human_bytes(self.headroom)} headroom - "
+                f"{human_bytes(resident)} resident (runtime {human_bytes(self.runtime)}, trunk "
+                f"{human_bytes(self.trunk + self.mla_weights)}, state {human_bytes(self.state)}, working "
+                f"{human_bytes(working)})")
 
     def as_dict(self) -> dict[str, Any]:
         return {"available": self.available, "headroom": self.headroom, "runtime": self.runtime,
                 "trunk": self.trunk, "mla_weights": self.mla_weights, "state": self.state,
-                "working": self.working, "experts_total": self.experts_total, "resident": self.resident,
-                "cache_budget": self.cache_budget, "experts_fit": self.experts_fit,
-                "planned_peak": self.planned_peak}
+                "working": self.working, "decode_working": self.decode_working, "experts_total": self.experts_total,
+                "resident": self.resident, "decode_resident": self.decode_resident,
+                "cache_budget": self.cache_budget, "prefill_cache_budget": self.prefill_cache_budget,
+                "experts_fit": self.experts_fit, "planned_peak": self.planned_peak}
 
 
 def mla_weight_bytes(cfg: ModelConfig) -> int:
@@ -234,27 +257,33 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: 
     avail = available_memory() if available is None else int(available)
     headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * avail))
     mla_weights = mla_weight_bytes(cfg)
-    tokens = min(max(context, 1), pass_tokens)
     widest = max(cfg.intermediate_size, cfg.num_experts_per_token * cfg.moe_intermediate_size,
                  cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.kv_lora_rank),
                  3 * cfg.kda_proj_size)
-    # A pass's residual stream, normalised copy and FFN output, plus its widest intermediate,
-    # each float32; the experts one MoE layer of the pass holds; one chunk's logits (twice:
-    # the product and its copy into the output); and the logits rows the run keeps: one per
-    # generated token, and every prompt row's with `all_logits` (else the last one's).
-    activations = 4 * tokens * (4 * cfg.hidden_size + 2 * widest)
-    # A pass holds one MoE layer's routed experts; a decode step its own misses and the guesses of
-    # the GUESS_LAYERS MoE layers after it (`waste.engine.experts`).
     per_layer = min(cfg.num_experts, cfg.num_experts_per_token)
-    held = max(min(cfg.num_experts, tokens * cfg.num_experts_per_token), (1 + GUESS_LAYERS) * per_layer)
-    experts_held = held * weights.per_expert
-    # A prefill's group of routed rows (`waste.engine.moe_layer.GROUP_ROWS`): their inputs, gate
-    # and up products (and their unpadded copies), activations and outputs, float32.
     expert_in = cfg.routed_expert_hidden_size or cfg.hidden_size
-    group_rows = min(tokens * cfg.num_experts_per_token, GROUP_ROWS)
-    grouped = 4 * group_rows * (2 * expert_in + 5 * cfg.moe_intermediate_size) if cfg.num_experts else 0
     prompt_rows = max(context - decode_tokens, 1) if all_logits else 1
-    logits = 4 * cfg.vocab_size * (2 * min(chunk, tokens) + prompt_rows + decode_tokens)
+
+    def working(tokens: int, experts: int) -> int:
+        """The working memory of a pass of `tokens` tokens whose MoE layers hold `experts` routed experts."""
+        # The pass's residual stream, normalised copy and FFN output, plus its widest intermediate,
+        # each float32; the experts it holds; one chunk's logits (twice: the product and its copy
+        # into the output); and the logits rows the run keeps: one per generated token, and every
+        # prompt row's with `all_logits` (else the last one's).
+        activations = 4 * tokens * (4 * cfg.hidden_size + 2 * widest)
+        # A prefill's group of routed rows (`waste.engine.moe_layer.GROUP_ROWS`): their inputs, gate
+        # and up products (and their unpadded copies), activations and outputs, float32.
+        group_rows = min(tokens * cfg.num_experts_per_token, GROUP_ROWS)
+        grouped = 4 * group_rows * (2 * expert_in + 5 * cfg.moe_intermediate_size) if cfg.num_experts else 0
+        logits = 4 * cfg.vocab_size * (2 * min(chunk, tokens) + prompt_rows + decode_tokens)
+        return activations + experts * weights.per_expert + grouped + logits
+
+    # A decode step holds its own misses and the guesses of the GUESS_LAYERS MoE layers after it
+    # (`waste.engine.experts`); a prefill pass one MoE layer's routed experts, up to all of them
+    # (counted as no fewer than a decode step's, so the prefill's working memory is the larger).
+    decode_held = (1 + GUESS_LAYERS) * per_layer
+    tokens = min(max(context, 1), pass_tokens)
+    prefill_held = max(min(cfg.num_experts, tokens * cfg.num_experts_per_token), decode_held)
     return MemoryPlan(
         available=avail,
         headroom=headroom,
@@ -262,6 +291,7 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: 
         trunk=weights.trunk,
         mla_weights=mla_weights,
         state=state_bytes(cfg, context).total,
-        working=activations + experts_held + grouped + logits,
+        working=max(working(tokens, prefill_held), working(1, decode_held)),
         experts_total=weights.experts_total,
+        decode_working=working(1, decode_held),
     )

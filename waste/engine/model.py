@@ -319,26 +319,27 @@ class Model:
             raise WasteError("the prompt is empty: give at least one token id")
         session.ensure_capacity(session.position + a.size)
         out = np.empty((a.size if all_logits else 1, self.config.vocab_size), np.float32)
-        for start in range(0, a.size, PREFILL_PASS_TOKENS):
-            part = a[start:start + PREFILL_PASS_TOKENS]
-            positions = np.arange(session.position, session.position + part.size)
-            with _checked_experts(self.store):
-                t0 = time.perf_counter()
-                h = self.embed.take_rows(part)
-                check_finite(h, "the token embeddings", positions)
-                self.times.add("embed", t0)
-                with self._read_ahead(part.size):
-                    h = self._layers(h, positions, session, "prefill", observer, chunk)
-                last_pass = start + part.size >= a.size
-                rows = part.size - 1 if last_pass else part.size
-                if all_logits:
-                    # The lm_head over `chunk` rows at a time: its output is [rows, vocab].
-                    for r in range(0, rows, chunk):
-                        r1 = min(rows, r + chunk)
-                        out[start + r:start + r1] = self._logits(h[r:r1], positions[r:r1])
-                if last_pass:
-                    out[-1] = self._logits(h[-1:], positions[-1:])[0]
-            session.tokens.extend(int(t) for t in part)
+        with self.store.prefilling():  # the cache keeps to its prefill budget (waste.engine.experts)
+            for start in range(0, a.size, PREFILL_PASS_TOKENS):
+                part = a[start:start + PREFILL_PASS_TOKENS]
+                positions = np.arange(session.position, session.position + part.size)
+                with _checked_experts(self.store):
+                    t0 = time.perf_counter()
+                    h = self.embed.take_rows(part)
+                    check_finite(h, "the token embeddings", positions)
+                    self.times.add("embed", t0)
+                    with self._read_ahead(part.size):
+                        h = self._layers(h, positions, session, "prefill", observer, chunk)
+                    last_pass = start + part.size >= a.size
+                    rows = part.size - 1 if last_pass else part.size
+                    if all_logits:
+                        # The lm_head over `chunk` rows at a time: its output is [rows, vocab].
+                        for r in range(0, rows, chunk):
+                            r1 = min(rows, r + chunk)
+                            out[start + r:start + r1] = self._logits(h[r:r1], positions[r:r1])
+                    if last_pass:
+                        out[-1] = self._logits(h[-1:], positions[-1:])[0]
+                session.tokens.extend(int(t) for t in part)
         session.last_logits = out[-1].copy()
         return out
 
