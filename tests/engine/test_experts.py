@@ -553,23 +553,28 @@ def test_a_prefill_reuses_the_buffers_it_evicts(tmp_path_factory, monkeypatch):
 
 def test_a_prompt_keeps_the_cache_to_the_prefill_budget(tmp_path):
     """`prefilling`: entering evicts the least recently used entries down to the prefill budget,
-    within it the cache keeps to that budget, and after it grows back to the whole budget."""
-    rng = np.random.default_rng(11)
+    within it the cache keeps to that budget, and after it grows back to the whole budget; once
+    full again (LRU) it holds what a store with the whole budget throughout holds."""
     c = ExpertBlobContainer(tmp_path, seed=12)
-    with StreamingExpertStore(c, 6 * PAGE, "lru", read_threads=2, prefill_budget_bytes=3 * PAGE) as store:
+    prompt = _random_requests(np.random.default_rng(11), c, 40, max_size=6)
+    with (StreamingExpertStore(c, 6 * PAGE, "lru", read_threads=2, prefill_budget_bytes=3 * PAGE) as store,
+          StreamingExpertStore(c, 6 * PAGE, "lru", read_threads=2) as whole):
         for e in range(8):
             store.get(1, [e])
+            whole.get(1, [e])
         before = store.cached_keys()
         assert store.cached_bytes == 6 * PAGE and before == [(1, e) for e in range(2, 8)]
         with store.prefilling():
             assert store.cached_keys() == before[-3:] and _held_bytes(store) == 3 * PAGE
-            for layer, ids in _random_requests(rng, c, 40, max_size=6):
+            for layer, ids in prompt:
                 _assert_weights(c, layer, ids, store.get(layer, ids))
+                whole.get(layer, ids)
                 assert _held_bytes(store) <= 3 * PAGE
         assert store._cache.budget == 6 * PAGE
         for e in range(8):
             store.get(3, [e])
-        assert _held_bytes(store) == 6 * PAGE
+            whole.get(3, [e])
+        assert _held_bytes(store) == 6 * PAGE and store.cached_keys() == whole.cached_keys()
     for budget, prefill in ((PAGE, 2 * PAGE), (PAGE, -1)):
         with pytest.raises(WasteError, match="prefill cache budget"):
             StreamingExpertStore(c, budget, prefill_budget_bytes=prefill)
