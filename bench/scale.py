@@ -26,9 +26,10 @@ then a second prompt of `--warm-prompt-len` other random ids in a new session, t
 "warm" prefill: the expert cache (or page cache) holds what the first prompt and the decode
 left in it (0 skips it). Both stores get the decode's guesses of the next MoE layers' experts
 (`waste.engine.model`): streaming reads them ahead, the map passes them on to the kernel
-(POSIX_FADV_WILLNEED). Reported: tokens/s, peak RSS against the planner's figure, cache
-budget (and `read_ahead_peak`, the most the cache, the reads under way and the prefill's reads
-ahead held at once), hit rate, the share of decode misses a guess had read ahead (`guessed`)
+(POSIX_FADV_WILLNEED). Reported: tokens/s, peak RSS against the planner's figure, the
+decode's cache budget (the JSON also has the smaller one a prompt is read in,
+`prefill_cache_budget`, and `read_ahead_peak`, the most the cache, the reads under way and the
+prefill's reads ahead held at once), hit rate, the share of decode misses a guess had read ahead (`guessed`)
 and expert GB read per decoded token, next to the planner's
 decode bound at the hit rate measured and what `waste plan` predicts (`predict_run`, the same
 code: uniform routing, at the RAM and runtime the run planned with), its cold prefill bound
