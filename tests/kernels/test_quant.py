@@ -235,6 +235,30 @@ def test_small_code_dots_are_exact_at_the_extreme_codes(fmt: str, isa: str, T: i
     np.testing.assert_array_equal(Y, expected.astype(np.float32))
 
 
+@pytest.mark.parametrize("T", [1, 7, 16])
+def test_mxfp4_scales_round_alike_in_every_lowering_down_to_subnormals(T: int) -> None:
+    """The AVX-512 blocks scale an activation's scale by 2^(s - 127) with vscalefps, the others
+    multiply it by the decoded scale: one rounding of the same exact product either way, also
+    where it falls among the subnormals (scale bytes 0-3 times activation scales that are not
+    powers of two) and where the NaN byte 255 sits. Every lowering of this host, the same bits."""
+    rng = np.random.default_rng(21)
+    NB, G = 2, 4
+    qs = rng.integers(0, 256, size=(NB, G, 256), dtype=np.uint8)
+    scales = rng.choice(np.array([0, 1, 2, 3, 100, 127, 200, 254, 255], np.uint8), size=(NB, G, 16))
+    xq = rng.integers(-127, 128, size=(T, G * 32), dtype=np.int8)
+    xsum = xq.reshape(T, G, 32).sum(axis=-1, dtype=np.int32)
+    xs = (rng.uniform(0.1, 3.0, size=(T, G)) * np.array([1, 1e-3, 1e3, 1])[None, :G]).astype(np.float32)
+    results = {}
+    for isa in HOST_ISAS:
+        Y = np.full((T, NB * 16), -1.0, np.float32)
+        _driver(isa)(qs, scales, qk.MXFP4_TSCALE, xq, xsum, xs, Y)
+        results[isa] = Y
+    for isa, Y in results.items():
+        np.testing.assert_array_equal(Y, results["generic"], err_msg=isa)
+    finite = results["generic"][np.isfinite(results["generic"])]
+    assert np.isnan(results["generic"]).any() and (np.abs(finite[finite != 0]) < 1e-30).any()
+
+
 @pytest.mark.parametrize("isa", HOST_ISAS)
 @pytest.mark.parametrize("T", [6, 16])
 def test_q8g_dots_are_exact_at_the_extreme_codes(isa: str, T: int) -> None:
