@@ -29,8 +29,9 @@ from waste.kernels.int8_blocks import (
     _VI,
     CHUNK,
     PREFETCH_BYTES,
-    _e8m0_to_f32,
+    _e8m0_exponents,
     _format_of,
+    _scale_by_exponents,
     _splat,
     _x86,
 )
@@ -191,9 +192,10 @@ def _amx_block(typingctx, qs, scales, xq, xs, Y, tscale, b, t0, m):
         def float_stage(g):
             """Group g's dots, scaled, into each token's float32 sums (the vector blocks' steps)."""
             bg = builder.add(builder.mul(b_, G), g)
+            exponents = None
             if fmt == "mxfp4":
-                scale = _e8m0_to_f32(builder, builder.load(at(sc_, builder.mul(bg, c(ROWS)), ir.VectorType(_I8, ROWS)),
-                                                           align=1), "vbmi")
+                exponents = _e8m0_exponents(builder, builder.load(at(sc_, builder.mul(bg, c(ROWS)),
+                                                                     ir.VectorType(_I8, ROWS)), align=1))
             else:
                 half = ir.VectorType(ir.HalfType(), ROWS)
                 s16 = builder.load(at(sc_, builder.mul(bg, c(ROWS)), ir.VectorType(_I16, ROWS)), align=2)
@@ -204,7 +206,10 @@ def _amx_block(typingctx, qs, scales, xq, xs, Y, tscale, b, t0, m):
                 dots = builder.load(builder.gep(buf, [ir.Constant(_I32, 0), ir.Constant(_I32, t)]), align=64)
                 dots = builder.sitofp(dots, _VF)
                 xsc = _splat(builder, builder.load(builder.gep(xs_.data, [tg])), _VF)
-                both = builder.fmul(scale, xsc, flags=_IEEE)
+                if exponents is not None:
+                    both = _scale_by_exponents(builder, xsc, exponents)
+                else:
+                    both = builder.fmul(scale, xsc, flags=_IEEE)
                 builder.store(_x86(builder, _FMA, _VF, dots, both, builder.load(faccs[t])), faccs[t])
 
         def if_group(g):
