@@ -222,7 +222,8 @@ def _e8m0_exponents(builder: ir.IRBuilder, s8: ir.Value) -> ir.Value:
     the byte in a float's exponent field with the mantissa's top bit set is 1.5 x 2^(s - 127),
     2^-127 (a subnormal) for byte 0 and a quiet NaN for 255, and vgetexpps reads its exponent,
     normalising the subnormal. vscalefps then rounds xs x 2^(s - 127) once, as the product
-    with `_e8m0_to_f32`'s scale does: the same bits in 4 operations per 16 rows, not 7."""
+    with `_e8m0_to_f32`'s scale does: the same bits in 4 operations per group of 16 rows and 1
+    per token, where the decode took 6 and the product 1."""
     bits = builder.or_(builder.shl(builder.zext(s8, _VI), ir.Constant(_VI, [23] * ROWS)),
                        ir.Constant(_VI, [1 << 22] * ROWS))
     return _x86(builder, "llvm.x86.avx512.mask.getexp.ps.512", _VF, builder.bitcast(bits, _VF),
