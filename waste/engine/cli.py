@@ -177,8 +177,9 @@ def cmd_run(args: Any) -> int:
     planned = f"planned peak {human_bytes(memory.planned_peak)}, " if memory is not None else ""
     held = " (experts copied into memory)" if container.experts_in_memory else ""
     cache = human_bytes(getattr(store, "budget_bytes", 0))
-    if getattr(store, "prefill_budget_bytes", None) not in (None, getattr(store, "budget_bytes", 0)):
-        cache += f" ({human_bytes(store.prefill_budget_bytes)} while the prompt was read)"
+    prefill_cache = getattr(store, "prefill_budget_bytes", None)  # a streaming store's
+    if prefill_cache is not None and prefill_cache != store.budget_bytes:
+        cache += f" ({human_bytes(prefill_cache)} while the prompt was read)"
     print(f"memory: {planned}peak RSS {human_bytes(peak_rss())}; experts: store {store.io_mode}{held}, "
           f"cache budget {cache}, hit rate {hit}, "
           f"read {total.bytes_read / 1e9:.2f} GB")
