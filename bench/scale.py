@@ -32,7 +32,9 @@ decode's cache budget (the JSON also has the smaller one a prompt is read in,
 prefill's reads ahead held at once), hit rate, the share of decode misses a guess had read ahead (`guessed`)
 and expert GB read per decoded token, next to the planner's
 decode bound at the hit rate measured and what `waste plan` predicts (`predict_run`, the same
-code: uniform routing, at the RAM and runtime the run planned with), its cold prefill bound
+code: uniform routing, at the RAM and runtime the run planned with; its decode estimate from a
+step's compute measured as `waste plan` measures it, in a child of its own before the stores,
+with the disk's time for the misses after it or under it), its cold prefill bound
 (expert bytes over the disk's speed, compute left out), with the NVMe bandwidth (a sequential
 O_DIRECT read of experts.bin) and the RAM bandwidth `waste plan` measures (what the q8g matvec
 reads, `measure_memory`) taken in the same run; and where a steady decode step's time went: the
@@ -62,6 +64,7 @@ import numba
 import numpy as np
 
 from waste.analysis.budget import copy_bandwidth, decode_speed_bound, predict_run
+from waste.analysis.compute import DecodeCompute, measure_decode_compute
 from waste.analysis.machine import Bandwidth, Bandwidths, measure_memory
 from waste.container import open_container
 from waste.engine.experts import READER_THREAD_PREFIX, MmapExpertStore, StreamingExpertStore
@@ -75,6 +78,7 @@ from waste.units import parse_size
 # Each store with the decode's guesses (as `waste run` does) and without them ("-unguessed"); the
 # streaming store reads with `waste run`'s default io, "-page-cache" into the page cache.
 STORES = ("streaming", "mmap", "streaming-unguessed", "mmap-unguessed", "streaming-page-cache")
+COMPUTE_CHILD = "compute"  # the child that measures a decode step's compute (`measure_compute`)
 
 
 def store_io(store: str) -> str:
@@ -216,15 +220,26 @@ def child_run(args: argparse.Namespace, store: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def predictions(path: Path, result: dict[str, Any], nvme_gbps: float, mem_gbps: float) -> dict[str, Any]:
+def measure_compute(path: Path) -> dict[str, Any]:
+    """A decode step's compute on this container's model, as `waste plan` measures it
+    (`measure_decode_compute`, experts pooled), in a process of its own: its pool does not stay in
+    the stores' page cache or RSS."""
+    with open_container(path) as c:
+        model, _ = measure_runtime(c, chunk=DEFAULT_PREFILL_CHUNK)
+        return measure_decode_compute(model).as_dict()
+
+
+def predictions(path: Path, result: dict[str, Any], nvme_gbps: float, mem_gbps: float,
+                compute: dict[str, Any]) -> dict[str, Any]:
     """What `waste plan` predicts for this run (`predict_run`, the same code, at the RAM and runtime
-    the run measured and planned with), and the bound at the hit rate the run reached."""
+    the run measured and planned with, and with the decode step's `compute` measured in this run),
+    and the bound at the hit rate the run reached."""
     mp = result["memory_plan"]
     plan = make_plan(str(path), context=result["context"])
     rates = Bandwidths(Bandwidth(nvme_gbps, "measured in this run: sequential O_DIRECT read of experts.bin"),
                        Bandwidth(mem_gbps, "measured in this run: q8g matvec reads (measure_memory)"))
     predicted = predict_run(plan, mp["available"], rates, runtime=mp["runtime"], decode_tokens=result["decode_tokens"],
-                            prompt_tokens=result["prompt_len"])
+                            prompt_tokens=result["prompt_len"], compute=DecodeCompute(**compute))
     out: dict[str, Any] = {"planned_peak_rss": mp["planned_peak"], "waste_plan": predicted.as_dict(),
                            "prefill_bound_tps": predicted.prefill.tokens_per_second}
     # The uniform-routing figure is the prediction for the streaming store `waste run` picks here.
@@ -237,6 +252,11 @@ def predictions(path: Path, result: dict[str, Any], nvme_gbps: float, mem_gbps: 
             out[f"decode_serial_tps_{label}"] = b.serial_tokens_per_second
             out[f"hit_rate_{label}"] = hit
     return out
+
+
+def plan_estimate(predicted: dict[str, Any]) -> str:
+    """`waste plan`'s decode estimate, "serial-overlapped" tok/s."""
+    return f"{predicted['decode_estimate_serial_tps']:.2f}-{predicted['decode_estimate_tps']:.2f}"
 
 
 def main() -> int:
@@ -256,11 +276,14 @@ def main() -> int:
     parser.add_argument("--ram", default=None, help="size the streaming budget for this much RAM (default: "
                         "what the machine has available)")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--child", choices=STORES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=(*STORES, COMPUTE_CHILD), help=argparse.SUPPRESS)
     parser.add_argument("--container", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.new <= args.warm or args.prompt_len < 1 or args.warm_prompt_len < 0:
         parser.error("--new must exceed --warm, --prompt-len be at least 1 and --warm-prompt-len not negative")
+    if args.child == COMPUTE_CHILD:
+        print(json.dumps(measure_compute(args.container)))
+        return 0
     if args.child:
         print(json.dumps(run_store(args), default=common._jsonable))
         return 0
@@ -283,17 +306,20 @@ def main() -> int:
           f"{'' if synth_s is None else f', synthesised in {synth_s:.0f} s'}; experts.bin read "
           f"{seq['gbps']:.2f} GB/s ({seq['io_mode']}), RAM copy {mem['gbps']:.1f} GB/s, q8g matvec reads "
           f"{reads['gbps']:.1f} GB/s")
+    compute = child_run(args, COMPUTE_CHILD)
+    print(f"a decode step's compute with every expert it asks for in RAM (waste plan's measure): "
+          f"{1000 * compute['step_seconds']:.0f} ms, median of {compute['steps']} steps")
     results = []
     for store in args.stores:
         r = child_run(args, store)
-        r["prediction"] = predictions(path, r, seq["gbps"], reads["gbps"])
+        r["prediction"] = predictions(path, r, seq["gbps"], reads["gbps"], compute)
         results.append(r)
     rows = []
     for r in results:
         p = r["prediction"]
         rows.append([r["store"], r["io_mode"], r["prefill_tps"], p["prefill_bound_tps"], r.get("warm_prefill_tps"),
                      r["decode_tps_steady"],
-                     p["waste_plan"]["decode_bound_tps"] if is_streaming(r["store"]) else None,
+                     plan_estimate(p["waste_plan"]) if is_streaming(r["store"]) else None,
                      p.get("decode_bound_tps_measured_hit", p.get("decode_bound_tps_uniform")),
                      r["peak_rss"] / 2**30, p["planned_peak_rss"] / 2**30,
                      None if r["cache_budget"] is None else r["cache_budget"] / 2**30,

@@ -338,8 +338,11 @@ def run_prediction(plan: Plan, args: Any) -> Any:
 
     The runtime is measured as `waste run` measures it (`measure_runtime`: the model loaded and
     two prompt tokens and one decoded token run through it, which costs a few seconds and the
-    trunk in RAM); the bandwidths are given, cached or measured (`waste.analysis.machine`)."""
+    trunk in RAM), then a decode step's compute on the same model with its experts pooled
+    (`waste.analysis.compute`: top-k + 1 experts a MoE layer read, a few more seconds); the
+    bandwidths are given, cached or measured (`waste.analysis.machine`)."""
     from waste.analysis.budget import predict_run
+    from waste.analysis.compute import measure_decode_compute
     from waste.analysis.machine import bandwidths
     from waste.container.format import EXPERTS
     from waste.container.reader import open_container
@@ -361,8 +364,10 @@ def run_prediction(plan: Plan, args: Any) -> Any:
                        measure=args.measure)
     with open_container(target) as container:
         model, runtime = measure_runtime(container, chunk=DEFAULT_PREFILL_CHUNK)
+        compute = measure_decode_compute(model)
         del model
-    return predict_run(plan, plan.ram, rates, runtime=runtime, trace=trace, trace_name=str(args.trace))
+    return predict_run(plan, plan.ram, rates, runtime=runtime, trace=trace, trace_name=str(args.trace),
+                       compute=compute)
 
 
 def cmd_plan(args: Any) -> int:

@@ -55,9 +55,14 @@ def test_cli_prediction_is_predict_run(q4: Path, tmp_path: Path, monkeypatch: py
     assert run["prefill_disk_bytes"] == cold.nvme_bytes
     assert run["disk_source"] == "given (--disk-gbps)" and run["mem_source"] == "given (--mem-gbps)"
     assert not (tmp_path / "machine.json").exists()  # nothing measured, nothing cached
+    # A decode step's compute is measured on the container's model (every expert fits: no disk).
+    compute = run["decode_compute"]
+    assert compute["pool"] == plan.config.num_experts_per_token + 1 and 0 < compute["step_seconds"] < 10
+    assert run["decode_estimate_tps"] == run["decode_estimate_serial_tps"] == pytest.approx(1 / compute["step_seconds"])
     assert main(["plan", str(q4), "--ram", "8G", "--disk-gbps", "2", "--mem-gbps", "10"]) == 0
     text = capsys.readouterr().out
     assert "waste run with 8 GiB available" in text and "planned peak RSS" in text and "decode bound" in text
+    assert "decode estimate" in text and "a step's compute measured at" in text
     assert f"prefill of the {run['prompt_tokens']} prompt tokens from a cold cache" in text
     assert main(["plan", "tiny", "--ram", "8G", "--json"]) == 0  # a preset: the model's figures, no run
     assert "run" not in json.loads(capsys.readouterr().out)
@@ -76,6 +81,26 @@ def test_uniform_routing_hit_rate_is_the_cached_fraction(q4: Path) -> None:
     assert p.bound == bound and p.memory.planned_peak == p.memory.decode_resident + p.memory.cache_budget
     short = predict_run(plan, 1 << 20, RATES, runtime=runtime)
     assert not short.fits and "does NOT fit" in short.describe()
+
+
+def test_decode_estimate_puts_the_disk_beside_the_measured_compute(q4: Path) -> None:
+    """With a measured step, the estimate runs from the step and the disk's time for the misses one
+    after the other to the larger of the two; without one there is none."""
+    from waste.analysis.compute import DecodeCompute
+
+    plan = make_plan(str(q4), context=CONTEXT)
+    runtime = 300 << 20
+    ram = _ram_for_half_the_experts(plan, runtime)
+    assert predict_run(plan, ram, RATES, runtime=runtime).decode_estimate is None
+    disk = decode_speed_bound(plan, predict_run(plan, ram, RATES, runtime=runtime).hit_rate, 2.0, 10.0).nvme_seconds
+    assert disk > 0
+    for step in (disk / 4, disk * 3):
+        p = predict_run(plan, ram, RATES, runtime=runtime, compute=DecodeCompute(step, 8, 9, 1 << 20))
+        overlapped, serial = p.decode_estimate
+        assert overlapped == pytest.approx(1 / max(step, disk)) and serial == pytest.approx(1 / (step + disk))
+        as_dict = p.as_dict()
+        assert as_dict["decode_estimate_tps"] == overlapped and as_dict["decode_compute"]["step_seconds"] == step
+        assert f"decode estimate {serial:.2f} to {overlapped:.2f} tok/s" in p.describe()
 
 
 def test_trace_gives_the_hit_rate(q4: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -141,7 +166,9 @@ def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_p
     plan = make_plan(str(q4), context=CONTEXT)
     runtime = 300 << 20
     ram = _ram_for_half_the_experts(plan, runtime)
-    predicted = predict_run(plan, ram, RATES, runtime=runtime)
+    from waste.analysis.compute import DecodeCompute
+
+    predicted = predict_run(plan, ram, RATES, runtime=runtime, compute=DecodeCompute(0.004, 8, 9, 1 << 20))
     run = {"store": "streaming", "cache_budget": predicted.memory.cache_budget, "decode_hit_rate_steady": 0.4,
            "decode_tps_steady": 1.5, "prefill_tps": 20.0, "peak_rss": predicted.memory.planned_peak,
            "memory_plan": predicted.memory.as_dict(),
@@ -151,6 +178,7 @@ def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_p
     assert point.label == "bench/scale.py streaming" and (point.preset, point.scheme) == ("tiny", "q4")
     assert point.ram_bytes == ram and point.tokens_per_second == 1.5
     assert point.predicted_tps == predicted.bound.tokens_per_second
+    assert point.estimated_tps == (predicted.decode_estimate[1], predicted.decode_estimate[0])
     from waste.analysis.whatif import curve_over_hit_rate, curve_over_ram, plot_what_if, what_if
 
     rates = {"nvme_gbps": 2.0, "mem_gbps": 10.0, "gmacs": 5.0}
@@ -160,5 +188,7 @@ def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_p
     fig = plot_what_if(rams, over_ram, [0.0, 1.0], curve_over_hit_rate(current.plan, [0.0, 1.0], **rates), current,
                        [point])
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
-    triangle = lines["waste plan's prediction for streaming"]
+    triangle = lines["waste plan's bound for streaming"]
     assert list(triangle.get_xdata()) == [ram / 2**30] and list(triangle.get_ydata()) == [point.predicted_tps]
+    estimate = lines["waste plan's estimate for streaming"]
+    assert list(estimate.get_xdata()) == [ram / 2**30] * 2 and tuple(estimate.get_ydata()) == point.estimated_tps

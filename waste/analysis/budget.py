@@ -14,7 +14,9 @@ done one after the other it takes their sum. `DecodeBound.tokens_per_second` is 
 overlapped figure, an upper bound no engine on that hardware can beat; `serial_tokens_per_second`
 is the no-overlap figure. Compute is left out on purpose: on CPU at batch 1 the step is
 bandwidth-bound, and leaving compute out keeps the figure a bound. Bandwidths are in
-decimal GB/s (1e9 bytes per second), as drive and memory vendors quote them.
+decimal GB/s (1e9 bytes per second), as drive and memory vendors quote them. What a run reaches
+is lower (its kernels do not stream at the memory's bandwidth): `RunPrediction.decode_estimate`
+puts the disk's time beside a step's compute measured on the model (`waste.analysis.compute`).
 
 Prefill speed bound. A prompt of P tokens runs in layer-major passes of up to
 PREFILL_PASS_TOKENS tokens (`waste.engine.model`), and each pass of T tokens fetches, in every
@@ -285,6 +287,18 @@ class RunPrediction:
     bound: DecodeBound
     bandwidths: Any  # waste.analysis.machine.Bandwidths
     prefill: PrefillBound
+    compute: Any = None  # waste.analysis.compute.DecodeCompute: a decode step's compute, measured
+
+    @property
+    def decode_estimate(self) -> tuple[float, float] | None:
+        """(overlapped, serial) decode tok/s from the measured compute step: the disk's reads of the
+        misses under the step's compute, or after it; None when the compute was not measured. A
+        run's step also spends CPU on its reads and waits for the misses no guess read ahead, so it
+        falls between the two."""
+        if self.compute is None:
+            return None
+        step, disk = self.compute.step_seconds, self.bound.nvme_seconds
+        return 1.0 / max(step, disk), 1.0 / (step + disk)
 
     @property
     def fits(self) -> bool:
@@ -293,6 +307,7 @@ class RunPrediction:
         return m.resident <= m.available - m.headroom
 
     def as_dict(self) -> dict[str, Any]:
+        estimate = self.decode_estimate
         return {"memory_plan": self.memory.as_dict(), "fits": self.fits, "decode_tokens": self.decode_tokens,
                 "cached_experts": self.cached_experts,
                 "total_experts": self.total_experts, "hit_rate": self.hit_rate,
@@ -301,7 +316,10 @@ class RunPrediction:
                 "disk_bytes_per_token": self.bound.nvme_bytes, "memory_bytes_per_token": self.bound.memory_bytes,
                 "prompt_tokens": self.prefill.prompt_tokens, "prefill_bound_tps": self.prefill.tokens_per_second,
                 "prefill_disk_bytes": self.prefill.nvme_bytes, "prefill_limited_by": self.prefill.limited_by,
-                "planned_peak_rss": self.memory.planned_peak, **self.bandwidths.as_dict()}
+                "planned_peak_rss": self.memory.planned_peak, **self.bandwidths.as_dict(),
+                "decode_compute": None if self.compute is None else self.compute.as_dict(),
+                "decode_estimate_tps": None if estimate is None else estimate[0],
+                "decode_estimate_serial_tps": None if estimate is None else estimate[1]}
 
     def describe(self) -> str:
         from waste.units import human_bytes
@@ -328,6 +346,16 @@ class RunPrediction:
             f"{human_bytes(b.memory_bytes)} from RAM at {bw.memory.gbps:.1f} GB/s",
             f"  decode bound {b.tokens_per_second:.2f} tok/s (disk and RAM reads overlapped; "
             f"{b.serial_tokens_per_second:.2f} one after the other), limited by {b.limited_by}",
+        ]
+        if self.decode_estimate is not None:
+            overlapped, serial = self.decode_estimate
+            c = self.compute
+            speed = f"{overlapped:.2f}" if b.nvme_seconds == 0 else f"{serial:.2f} to {overlapped:.2f}"
+            disk = "" if b.nvme_seconds == 0 else f", the disk's {1000 * b.nvme_seconds:.0f} ms after it or under it"
+            lines.append(f"  decode estimate {speed} tok/s: a step's compute measured at "
+                         f"{1000 * c.step_seconds:.1f} ms (median of {c.steps} steps of this model, every expert it "
+                         f"asks for in RAM){disk}")
+        lines += [
             f"  prefill of the {self.prefill.prompt_tokens} prompt tokens from a cold cache: "
             f"{human_bytes(self.prefill.nvme_bytes)} of experts from disk, bound "
             f"{self.prefill.tokens_per_second:.1f} tok/s (compute left out), limited by {self.prefill.limited_by}",
@@ -351,12 +379,14 @@ def trace_hit_rate(trace: Any, cache_budget: int, blob_bytes: int, policy: str =
 
 
 def predict_run(plan: Plan, ram: int, bandwidths: Any, *, runtime: int, decode_tokens: int = PREDICT_DECODE_TOKENS,
-                trace: Any = None, trace_name: str = "", prompt_tokens: int | None = None) -> RunPrediction:
+                trace: Any = None, trace_name: str = "", prompt_tokens: int | None = None,
+                compute: Any = None) -> RunPrediction:
     """The prediction of a run of `plan`'s model reaching `plan.context` tokens (`decode_tokens` of
     them generated, the `prompt_tokens` before them the prompt: by default the rest) on a machine
     with `ram` bytes available, the runtime (interpreter, NumPy, Numba and the kernels) taking
     `runtime`: the hit rate is the fraction of experts the cache holds (uniform routing) unless a
-    routing `trace` is given, whose decode lookups are replayed through that cache (LRU)."""
+    routing `trace` is given, whose decode lookups are replayed through that cache (LRU). With a
+    decode step's `compute` measured (`waste.analysis.compute`), it also estimates the decode."""
     from waste.engine.memory import plan_memory
     from waste.engine.model import DEFAULT_PREFILL_CHUNK, PREFILL_PASS_TOKENS
 
@@ -376,7 +406,7 @@ def predict_run(plan: Plan, ram: int, bandwidths: Any, *, runtime: int, decode_t
     prompt = max(plan.context - decode_tokens, 1) if prompt_tokens is None else prompt_tokens
     prefill = prefill_speed_bound(plan, prompt, bandwidths.disk.gbps, bandwidths.memory.gbps,
                                   experts_fit=memory.experts_fit)
-    return RunPrediction(memory, decode_tokens, cached, total, hit, source, bound, bandwidths, prefill)
+    return RunPrediction(memory, decode_tokens, cached, total, hit, source, bound, bandwidths, prefill, compute)
 
 
 def state_curve(cfg: ModelConfig, contexts: Sequence[int], dtype: str = "f32", *, all_mla: bool = False) -> np.ndarray:
@@ -446,7 +476,9 @@ def load_scale_bench(path: str | Path) -> list[dict[str, Any]]:
     {store, preset, scheme, ram (the RAM the run planned for, bytes), cache_budget, hit_rate,
     decode_tps, prefill_tps, peak_rss, planned_peak_rss, bound_tps (at the hit rate measured),
     predicted_tps, predicted_prefill_tps and predicted_peak_rss (what `waste plan` predicts at that
-    RAM, `predict_run`; None in results written before it)} for placing on a budget plot."""
+    RAM, `predict_run`; None in results written before it), estimated_tps ((serial, overlapped):
+    its decode estimate from the compute measured; None in results written before it)} for placing
+    on a budget plot."""
     import json
 
     try:
@@ -466,6 +498,8 @@ def load_scale_bench(path: str | Path) -> list[dict[str, Any]]:
                 "predicted_tps": predicted.get("decode_bound_tps"),
                 "predicted_prefill_tps": predicted.get("prefill_bound_tps"),
                 "predicted_peak_rss": predicted.get("planned_peak_rss"),
+                "estimated_tps": None if predicted.get("decode_estimate_tps") is None else
+                (predicted["decode_estimate_serial_tps"], predicted["decode_estimate_tps"]),
             })
     except FileNotFoundError:
         raise WasteError(f"{path}: no such bench result (run `make bench-scale`)") from None

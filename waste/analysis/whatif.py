@@ -155,6 +155,7 @@ class MeasuredPoint:
     hit_rate: float | None
     tokens_per_second: float
     predicted_tps: float | None = None  # what `waste plan` predicts for the same RAM (bench/scale.py)
+    estimated_tps: tuple[float, float] | None = None  # and its decode estimate (serial, overlapped)
 
 
 def measured_points(results_dir: str | Path, resident: dict[str, int] | None = None) -> list[MeasuredPoint]:
@@ -185,7 +186,8 @@ def measured_points(results_dir: str | Path, resident: dict[str, int] | None = N
         for p in scale:
             out.append(MeasuredPoint(f"bench/scale.py {p['store']}", str(p["preset"]), str(p["scheme"]),
                                      int(p["ram"]), p["hit_rate"], float(p["decode_tps"]),
-                                     None if p["predicted_tps"] is None else float(p["predicted_tps"])))
+                                     None if p["predicted_tps"] is None else float(p["predicted_tps"]),
+                                     p["estimated_tps"]))
     return out
 
 
@@ -225,7 +227,11 @@ def plot_what_if(rams: Sequence[int], over_ram: tuple[np.ndarray, np.ndarray], h
             # `waste plan`'s prediction for the RAM this run had, joined to what the run reached.
             left.plot([m.ram_bytes / 2**30] * 2, [m.tokens_per_second, m.predicted_tps], ":", color=mark.get_color())
             left.plot([m.ram_bytes / 2**30], [m.predicted_tps], "^", color=mark.get_color(), markersize=8,
-                      label=f"waste plan's prediction for {m.label.removeprefix('bench/scale.py ')}")
+                      label=f"waste plan's bound for {m.label.removeprefix('bench/scale.py ')}")
+        if m.estimated_tps is not None:
+            left.plot([m.ram_bytes / 2**30] * 2, list(m.estimated_tps), "_-", color=mark.get_color(), linewidth=3,
+                      markersize=12, alpha=0.5,
+                      label=f"waste plan's estimate for {m.label.removeprefix('bench/scale.py ')}")
     left.set_xscale("log", base=2)
     left.set_xlabel("RAM budget (GiB, log scale)")
     left.set_ylabel("decode bound (tokens/s)")

@@ -153,10 +153,14 @@ class MmapExpertStore(ExpertStore):
         for e in ids:
             view = views[e]
             if view is None:
-                view = views[e] = self.container.expert(layer, e)
+                view = views[e] = self._open(layer, e)
             out.append(view)
         self.count_request(layer, ids)
         return out
+
+    def _open(self, layer: int, expert: int) -> Expert:
+        """The views of one expert, its CRCs checked."""
+        return self.container.expert(layer, expert)
 
     def handed_out(self, layer: int, expert: int) -> Expert:
         """The view of an expert `get` has handed out before (without counting a request)."""
@@ -197,3 +201,27 @@ class MmapExpertStore(ExpertStore):
 
     def close(self) -> None:
         """Nothing to release: the container owns the map."""
+
+
+class PooledExpertStore(MmapExpertStore):
+    """Every expert of a MoE layer served by one of that layer's first `pool` experts (expert e by
+    expert e mod pool): a decode step's arithmetic and memory traffic with every expert it asks for
+    in RAM, on a machine that cannot hold them all. For timing what a step computes
+    (`waste.analysis.compute`); the outputs are not the model's.
+
+    Requests are counted as the map counts them (misses of the ids asked for); nothing is read
+    beyond the pool's blobs."""
+
+    def __init__(self, container: Any, pool: int):
+        super().__init__(container)
+        if pool < 1:
+            raise WasteError(f"expert pool of {pool}: expected at least one expert a layer")
+        self.pool = min(int(pool), self._num_experts)
+        self._slots: dict[int, list[Expert | None]] = {}
+
+    def _open(self, layer: int, expert: int) -> Expert:
+        slots = self._slots.setdefault(layer, [None] * self.pool)
+        slot = expert % self.pool
+        if slots[slot] is None:
+            slots[slot] = super()._open(layer, slot)
+        return slots[slot]

@@ -1,0 +1,59 @@
+"""A decode step's compute, timed with pooled experts (`waste.analysis.compute`), and the store
+that pools them (`waste.engine.expert_store.PooledExpertStore`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from waste.analysis.compute import DECODE_COMPUTE_STEPS, measure_decode_compute
+from waste.container import open_container
+from waste.engine.expert_store import MmapExpertStore, PooledExpertStore
+from waste.engine.model import Model
+from waste.errors import WasteError
+from waste.testing import tiny_container
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_container(tmp_path_factory, quant="q4")
+
+
+def test_pool_serves_each_expert_by_its_id_mod_the_pool(q4: Path) -> None:
+    with open_container(q4) as c:
+        layer = c.config.moe_layers[0]
+        store = PooledExpertStore(c, 3)
+        got = store.get(layer, [0, 4, 3, 7])  # slots 0, 1, 0, 1
+        assert got[0] is got[2] and got[1] is got[3] and got[0] is not got[1]
+        for expert, slot in zip(got, (0, 1, 0, 1), strict=True):
+            for a, b in zip(expert, c.expert(layer, slot), strict=True):
+                np.testing.assert_array_equal(a.dequantize(), b.dequantize())
+        assert store.handed_out(layer, 7) is got[1]
+        assert PooledExpertStore(c, 10 * c.config.num_experts).pool == c.config.num_experts
+        with pytest.raises(WasteError, match="pool of 0"):
+            PooledExpertStore(c, 0)
+
+
+def test_measuring_the_step_leaves_the_model_as_it_was(q4: Path) -> None:
+    """The step is timed with the pool and the model then decodes with its own experts again: the
+    same logits, bit for bit, as a model that was never measured."""
+    ids = [5, 9, 2, 7, 11]
+    with open_container(q4) as c:
+        measured = Model(c, store=MmapExpertStore(c))
+        own = measured.store
+        step = measure_decode_compute(measured)
+        assert measured.store is own and not any(measured.times.seconds.values())
+        cfg = c.config
+        assert step.steps == DECODE_COMPUTE_STEPS and step.pool == cfg.num_experts_per_token + 1
+        assert step.pool_bytes == sum(c.expert_span(layer, e)[1] for layer in cfg.moe_layers for e in range(step.pool))
+        assert 0 < step.step_seconds < 10
+        fresh = Model(c, store=MmapExpertStore(c))
+        outs = []
+        for model in (measured, fresh):
+            session = model.new_session(16)
+            first = model.prefill(session, ids, all_logits=False)
+            outs.append((first, model.decode(session, 3), model.decode(session, 4)))
+        for a, b in zip(*outs, strict=True):
+            np.testing.assert_array_equal(a, b)
