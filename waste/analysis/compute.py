@@ -7,7 +7,7 @@ routing, norms and the Python between the kernels. On the 48B q4 model on a 2-co
 said 9.8 tok/s where the streaming store decoded at 4.6 (README, 2026-12-04). So the step is
 measured instead: a few decode steps of the model after a short prompt, with its experts served
 by `PooledExpertStore` (expert e of a layer by expert e mod pool), so that every expert a step
-asks for is in RAM and the step reads as many expert bytes from RAM as a real one, without the
+asks for is in RAM and the step reads about as many expert bytes from RAM as a real one, without the
 disk and on a machine that cannot hold every expert.
 """
 
