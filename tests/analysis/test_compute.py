@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from waste.analysis.compute import DECODE_COMPUTE_STEPS, measure_decode_compute
+from waste.analysis.compute import BLOB_LAYERS, DECODE_COMPUTE_STEPS, measure_decode_compute
 from waste.container import open_container
 from waste.engine.expert_store import MmapExpertStore, PooledExpertStore
 from waste.engine.model import Model
@@ -49,6 +49,9 @@ def test_measuring_the_step_leaves_the_model_as_it_was(q4: Path) -> None:
         assert step.steps == DECODE_COMPUTE_STEPS and step.pool == cfg.num_experts_per_token + 1
         assert step.pool_bytes == sum(c.expert_span(layer, e)[1] for layer in cfg.moe_layers for e in range(step.pool))
         assert 0 < step.step_seconds < 10
+        # The disk as a step reads it: BLOB_LAYERS requests of top-k random blobs.
+        span = c.expert_span(cfg.moe_layers[0], 0)[1]
+        assert step.blob_bytes == BLOB_LAYERS * cfg.num_experts_per_token * span and step.blob_gbps > 0
         fresh = Model(c, store=MmapExpertStore(c))
         outs = []
         for model in (measured, fresh):

@@ -101,6 +101,13 @@ def test_decode_estimate_puts_the_disk_beside_the_measured_compute(q4: Path) -> 
         as_dict = p.as_dict()
         assert as_dict["decode_estimate_tps"] == overlapped and as_dict["decode_compute"]["step_seconds"] == step
         assert f"decode estimate {serial:.2f} to {overlapped:.2f} tok/s" in p.describe()
+    # Random blob reads measured beside the step price the misses instead of the disk bandwidth.
+    bound = predict_run(plan, ram, RATES, runtime=runtime).bound
+    p = predict_run(plan, ram, RATES, runtime=runtime, compute=DecodeCompute(disk, 8, 9, 1 << 20, 0.5, 1 << 20))
+    blob_disk = bound.nvme_bytes / 0.5e9
+    assert p.estimate_disk_seconds == pytest.approx(blob_disk) and blob_disk == pytest.approx(4 * disk)
+    assert p.decode_estimate == pytest.approx((1 / blob_disk, 1 / (disk + blob_disk)))
+    assert "0.50 GB/s, random blobs read" in p.describe()
 
 
 def test_trace_gives_the_hit_rate(q4: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -290,6 +290,13 @@ class RunPrediction:
     compute: Any = None  # waste.analysis.compute.DecodeCompute: a decode step's compute, measured
 
     @property
+    def estimate_disk_seconds(self) -> float:
+        """The disk's time for a step's misses in the decode estimate: at the speed the compute
+        measurement's random blob reads reached (a step's reads), else at the disk bandwidth."""
+        gbps = None if self.compute is None else self.compute.blob_gbps
+        return self.bound.nvme_seconds if gbps is None else self.bound.nvme_bytes / (gbps * GB)
+
+    @property
     def decode_estimate(self) -> tuple[float, float] | None:
         """(overlapped, serial) decode tok/s from the measured compute step: the disk's reads of the
         misses under the step's compute, or after it; None when the compute was not measured. A
@@ -297,7 +304,7 @@ class RunPrediction:
         falls between the two."""
         if self.compute is None:
             return None
-        step, disk = self.compute.step_seconds, self.bound.nvme_seconds
+        step, disk = self.compute.step_seconds, self.estimate_disk_seconds
         return 1.0 / max(step, disk), 1.0 / (step + disk)
 
     @property
@@ -350,8 +357,10 @@ class RunPrediction:
         if self.decode_estimate is not None:
             overlapped, serial = self.decode_estimate
             c = self.compute
-            speed = f"{overlapped:.2f}" if b.nvme_seconds == 0 else f"{serial:.2f} to {overlapped:.2f}"
-            disk = "" if b.nvme_seconds == 0 else f", the disk's {1000 * b.nvme_seconds:.0f} ms after it or under it"
+            disk_s = self.estimate_disk_seconds
+            speed = f"{overlapped:.2f}" if disk_s == 0 else f"{serial:.2f} to {overlapped:.2f}"
+            speed_read = "the disk bandwidth" if c.blob_gbps is None else f"{c.blob_gbps:.2f} GB/s, random blobs read"
+            disk = "" if disk_s == 0 else f", the disk's {1000 * disk_s:.0f} ms at {speed_read}, after it or under it"
             lines.append(f"  decode estimate {speed} tok/s: a step's compute measured at "
                          f"{1000 * c.step_seconds:.1f} ms (median of {c.steps} steps of this model, every expert it "
                          f"asks for in RAM){disk}")

@@ -9,6 +9,11 @@ measured instead: a few decode steps of the model after a short prompt, with its
 by `PooledExpertStore` (expert e of a layer by expert e mod pool), so that every expert a step
 asks for is in RAM and the step reads about as many expert bytes from RAM as a real one, without the
 disk and on a machine that cannot hold every expert.
+
+The disk's part is timed as a step reads it too: random expert blobs of a layer at a time, read
+by a `StreamingExpertStore` (its default readers and io, CRCs checked) into reused buffers. On the
+48B's virtual disk such reads ran at 1.4-1.65 GB/s where one long sequential read (what `waste
+plan`'s disk bandwidth measures) ran at 2.1-2.2.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from waste.engine.expert_store import PooledExpertStore
+from waste.engine.experts import StreamingExpertStore
 
 # Decode steps timed (their median is the step), after WARM_STEPS untimed ones that fault the
 # pool's blobs in and settle the caches.
@@ -27,6 +33,9 @@ DECODE_COMPUTE_STEPS = 8
 WARM_STEPS = 2
 # The prompt before the steps (token ids; what a step computes does not depend on them).
 PROMPT = (0, 1, 2, 3)
+# Layers of top-k random expert blobs read to time the disk, after one untimed layer whose reads
+# fault their buffers in (later ones reuse them, as a decode's reads reuse evicted buffers).
+BLOB_LAYERS = 8
 
 
 @dataclass(frozen=True)
@@ -37,17 +46,39 @@ class DecodeCompute:
     steps: int
     pool: int  # experts each MoE layer serves from
     pool_bytes: int  # their blobs, over every MoE layer
+    blob_gbps: float | None = None  # random expert blobs read as the store reads them (None: no MoE layer)
+    blob_bytes: int = 0  # what that read
 
     def as_dict(self) -> dict[str, Any]:
         return {"step_seconds": self.step_seconds, "steps": self.steps, "pool": self.pool,
-                "pool_bytes": self.pool_bytes}
+                "pool_bytes": self.pool_bytes, "blob_gbps": self.blob_gbps, "blob_bytes": self.blob_bytes}
+
+
+def measure_blob_reads(container: Any, layers: int = BLOB_LAYERS, seed: int = 0) -> tuple[float, int]:
+    """(GB/s, bytes) of `layers` requests of top-k random expert blobs each, read by a streaming
+    store that caches nothing (a decode step's misses), after one untimed request."""
+    cfg = container.config
+    rng = np.random.default_rng(seed)
+    seconds, nbytes = 0.0, 0
+    with StreamingExpertStore(container, 0) as store:
+        for i in range(layers + 1):
+            layer = cfg.moe_layers[i % len(cfg.moe_layers)]
+            ids = np.sort(rng.choice(cfg.num_experts, cfg.num_experts_per_token, replace=False))
+            t0 = time.perf_counter()
+            experts = store.get(layer, ids)
+            if i:
+                seconds += time.perf_counter() - t0
+                nbytes += sum(container.expert_span(layer, int(e))[1] for e in ids)
+            del experts  # their buffers go back to the store for the next request
+    return nbytes / seconds / 1e9, nbytes
 
 
 def measure_decode_compute(model: Any, steps: int = DECODE_COMPUTE_STEPS) -> DecodeCompute:
     """Time `steps` decode steps of `model` (a `waste.engine.model.Model`) with its experts pooled
     (top-k + 1 of them a layer: a step's top-k are distinct, and the pool's slots are then not all
-    the same ones from step to step). The model gets its own store back afterwards, and its layer
-    times start afresh."""
+    the same ones from step to step), then the store's reads of random blobs
+    (`measure_blob_reads`). The model gets its own store back afterwards, and its layer times
+    start afresh."""
     from waste.engine.model import LayerTimes
 
     cfg = model.config
@@ -69,4 +100,6 @@ def measure_decode_compute(model: Any, steps: int = DECODE_COMPUTE_STEPS) -> Dec
         model.times = LayerTimes()
     pool_bytes = sum(model.container.expert_span(layer, e)[1] for layer in cfg.moe_layers
                      for e in range(store.pool))
-    return DecodeCompute(float(np.median(seconds[WARM_STEPS:])), steps, store.pool, int(pool_bytes))
+    blob_gbps, blob_bytes = measure_blob_reads(model.container) if cfg.moe_layers else (None, 0)
+    return DecodeCompute(float(np.median(seconds[WARM_STEPS:])), steps, store.pool, int(pool_bytes), blob_gbps,
+                         blob_bytes)
