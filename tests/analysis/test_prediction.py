@@ -195,7 +195,7 @@ def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_p
     fig = plot_what_if(rams, over_ram, [0.0, 1.0], curve_over_hit_rate(current.plan, [0.0, 1.0], **rates), current,
                        [point])
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
-    triangle = lines["waste plan's bound for streaming"]
+    triangle = lines["waste plan's bound at streaming's RAM"]
     assert list(triangle.get_xdata()) == [ram / 2**30] and list(triangle.get_ydata()) == [point.predicted_tps]
-    estimate = lines["waste plan's estimate for streaming"]
+    estimate = lines["waste plan's estimate at streaming's RAM"]
     assert list(estimate.get_xdata()) == [ram / 2**30] * 2 and tuple(estimate.get_ydata()) == point.estimated_tps

@@ -227,11 +227,11 @@ def plot_what_if(rams: Sequence[int], over_ram: tuple[np.ndarray, np.ndarray], h
             # `waste plan`'s prediction for the RAM this run had, joined to what the run reached.
             left.plot([m.ram_bytes / 2**30] * 2, [m.tokens_per_second, m.predicted_tps], ":", color=mark.get_color())
             left.plot([m.ram_bytes / 2**30], [m.predicted_tps], "^", color=mark.get_color(), markersize=8,
-                      label=f"waste plan's bound for {m.label.removeprefix('bench/scale.py ')}")
+                      label=f"waste plan's bound at {m.label.removeprefix('bench/scale.py ')}'s RAM")
         if m.estimated_tps is not None:
             left.plot([m.ram_bytes / 2**30] * 2, list(m.estimated_tps), "_-", color=mark.get_color(), linewidth=3,
                       markersize=12, alpha=0.5,
-                      label=f"waste plan's estimate for {m.label.removeprefix('bench/scale.py ')}")
+                      label=f"waste plan's estimate at {m.label.removeprefix('bench/scale.py ')}'s RAM")
     left.set_xscale("log", base=2)
     left.set_xlabel("RAM budget (GiB, log scale)")
     left.set_ylabel("decode bound (tokens/s)")
