@@ -354,8 +354,9 @@ class RunPrediction:
             f"  decode bound {b.tokens_per_second:.2f} tok/s (disk and RAM reads overlapped; "
             f"{b.serial_tokens_per_second:.2f} one after the other), limited by {b.limited_by}",
         ]
-        if self.decode_estimate is not None:
-            overlapped, serial = self.decode_estimate
+        estimate = self.decode_estimate
+        if estimate is not None:
+            overlapped, serial = estimate
             c = self.compute
             disk_s = self.estimate_disk_seconds
             speed = f"{overlapped:.2f}" if disk_s == 0 else f"{serial:.2f} to {overlapped:.2f}"

@@ -7,13 +7,13 @@ routing, norms and the Python between the kernels. On the 48B q4 model on a 2-co
 said 9.8 tok/s where the streaming store decoded at 4.6 (README, 2026-12-04). So the step is
 measured instead: a few decode steps of the model after a short prompt, with its experts served
 by `PooledExpertStore` (expert e of a layer by expert e mod pool), so that every expert a step
-asks for is in RAM and the step reads about as many expert bytes from RAM as a real one, without the
-disk and on a machine that cannot hold every expert.
+asks for is in RAM and the step reads about as many expert bytes from RAM as a real one, without
+the disk and on a machine that cannot hold every expert.
 
 The disk's part is timed as a step reads it too: random expert blobs of a layer at a time, read
 by a `StreamingExpertStore` (its default readers and io, CRCs checked) into reused buffers. On the
-48B's virtual disk such reads ran at 1.4-1.65 GB/s where one long sequential read (what `waste
-plan`'s disk bandwidth measures) ran at 2.1-2.2.
+48B's virtual disk such reads ran at 1.14-1.65 GB/s where one long sequential read (what `waste
+plan`'s disk bandwidth measures) ran at 1.26-2.30 (README, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ BLOB_LAYERS = 8
 
 @dataclass(frozen=True)
 class DecodeCompute:
-    """A decode step's compute, timed with every expert it asks for in RAM."""
+    """A decode step's compute, timed with every expert it asks for in RAM, and the speed of the
+    store's reads of random expert blobs (what the step's misses would read at)."""
 
     step_seconds: float  # the median of the timed steps
     steps: int
