@@ -39,12 +39,13 @@ bench: $(VENV)
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/streaming.py
+	$(BIN)/python bench/memory.py
 
 # waste against llama.cpp built from source (network, ~GBs in ~/.cache/waste-peer; not in test or CI)
 bench-peer: $(VENV)
 	$(BIN)/python bench/peer.py
 
-# Kimi-Linear-48B-A3B q4 from disk (issue 13): synthesises a 27 GB container once into
+# Kimi-Linear-48B-A3B q4 from disk (issue 13): synthesises a 28.7 GB container once into
 # $WASTE_SCALE_DIR (default /work/scale), outside the clone; not part of `make bench`.
 bench-scale: $(VENV)
 	$(BIN)/python bench/scale.py

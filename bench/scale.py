@@ -1,7 +1,7 @@
 """Kimi-Linear-48B-A3B in q4 on this machine (issue 13): a model bigger than RAM, decoded from disk.
 
 The container is synthesised once (`waste synth ... --quant q4`, random weights) into
-`--dir` (default $WASTE_SCALE_DIR or /work/scale, outside the repository: 27 GB) and reused.
+`--dir` (default $WASTE_SCALE_DIR or /work/scale, outside the repository: 28.7 GB) and reused.
 Each store then runs in its own child process (a fresh RSS peak, nothing shared):
 
 - `streaming`: the store `waste run` picks by default when the experts do not fit: a cache of

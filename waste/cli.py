@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("hf_dir")
     s.add_argument("out")
     s.add_argument("--quant", choices=SCHEMES, default="q8",
-                   help="q4all: the trunk in q4g too, except embedding, lm_head and routers (q8g)")
+                   help="q4all: the trunk in q4g too, except embedding and lm_head (q8g); routers stay float32")
     s.add_argument("--experts", choices=tuple(EXPERT_CHOICES), default=None,
                    help="routed expert storage (default: MXFP4 experts stay MXFP4 byte for byte, others follow "
                         "--quant); any other choice dequantises and stores again")

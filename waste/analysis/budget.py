@@ -197,7 +197,7 @@ def read_bandwidth(buffer: np.ndarray, rounds: int = 5, threads: int = 1) -> dic
 
 def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: float) -> DecodeBound:
     """Speed bound of one decoded token at an expert-cache hit rate in [0, 1]; bandwidths in GB/s
-    (`copy_bandwidth()["gbps"]` measures this machine's memory figure)."""
+    (`waste plan` measures the memory's by the decode's own q8g matvec, `machine.measure_memory`)."""
     if not 0.0 <= hit_rate <= 1.0:
         raise WasteError(f"hit rate {hit_rate}: expected a fraction between 0 and 1")
     if nvme_gbps <= 0 or mem_gbps <= 0:

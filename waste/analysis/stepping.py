@@ -94,7 +94,7 @@ def record_trace(container: str | os.PathLike[str], prompt: Sequence[int], max_n
 
     With `cache_experts`, experts stream through a cache of that many blobs under `policy`
     (as `waste run --expert-cache`), so the trace's hits are real store hits; without it the
-    container is mapped and every lookup counts as a hit.
+    container is mapped and every lookup counts as a miss (a map has no cache, docs/TRACE.md).
     """
     from waste.container.reader import open_container
     from waste.engine.experts import open_expert_store
