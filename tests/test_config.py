@@ -187,6 +187,18 @@ def test_null_linear_beta_is_allowed():
          "'text_config.quantization_config.config_groups.group_0.weights': mxfp4-pack-quantized needs num_bits 4"),
         (lambda t, d: _quant(t).update(quant_method="gptq"), "'text_config.quantization_config.quant_method'"),
         (lambda t, d: _quant(t).update(ignore="re:.*"), "'text_config.quantization_config.ignore': expected a list"),
+        # an ignore list that exempts some routed experts and not others: a layer, a projection,
+        # one expert (the first MoE layer is layer 1; the k3 preset has 896 experts a layer)
+        (lambda t, d: _quant(t)["ignore"].append(r"re:.*layers\.2\.block_sparse_moe\.experts\..*"),
+         "quantises some routed experts and not others (language_model.model.layers.1.block_sparse_moe.experts.0.w1 "
+         "is mxfp4-pack-quantized, language_model.model.layers.2.block_sparse_moe.experts.0.w1 is not)"),
+        (lambda t, d: _quant(t)["ignore"].append(r"re:.*layers\.1\.block_sparse_moe\.experts\..*"),
+         "(language_model.model.layers.2.block_sparse_moe.experts.0.w1 is mxfp4-pack-quantized, "
+         "language_model.model.layers.1.block_sparse_moe.experts.0.w1 is not)"),
+        (lambda t, d: _quant(t)["ignore"].append(r"re:.*\.w2$"), "is mxfp4-pack-quantized, "
+         "language_model.model.layers.1.block_sparse_moe.experts.0.w2 is not"),
+        (lambda t, d: _quant(t)["ignore"].append(r"re:.*experts\.17\.w1$"), "is mxfp4-pack-quantized, "
+         "language_model.model.layers.1.block_sparse_moe.experts.17.w1 is not"),
     ],
 )
 def test_bad_k3_config_names_the_key(mutate, message):

@@ -30,7 +30,8 @@ PRESETS = ("tiny", "mini", "kimi-linear-48b-a3b", "k3", "k3-tiny", "k3-mini")
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 MXFP4_GROUP = 32  # weights sharing one E8M0 scale
 # A routed expert's module name, as compressed-tensors' targets and ignore patterns see it.
-_EXPERT_MODULE = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
+# A routed expert's projection as compressed-tensors names the module it quantises or ignores.
+_EXPERT_MODULE = "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{part}"
 # A sanity bound that keeps a corrupt config from allocating per-layer tables without end.
 MAX_LAYERS = 10_000
 
@@ -242,11 +243,24 @@ def _matches(patterns: list[str], module: str) -> bool:
     return False
 
 
-def _expert_quant(c: _Keys) -> str | None:
+def _expert_modules(moe_layers: range, num_experts: int) -> list[str]:
+    """The routed-expert modules whose quantisation is compared: w1, w2 and w3 of the first and the
+    last expert of every MoE layer, and w1 of every expert of the first MoE layer (a pattern that
+    singles out a layer, a projection or an expert shows there)."""
+    ends = sorted({0, num_experts - 1})
+    names = [_EXPERT_MODULE.format(layer=layer, expert=e, part=part)
+             for layer in moe_layers for e in ends for part in ("w1", "w2", "w3")]
+    names += [_EXPERT_MODULE.format(layer=moe_layers[0], expert=e, part="w1") for e in range(num_experts)]
+    return names
+
+
+def _expert_quant(c: _Keys, moe_layers: range, num_experts: int) -> str | None:
     """"mxfp4" when the quantization_config quantises the routed experts as mxfp4-pack-quantized.
 
     The config sits under text_config (K3) or at the top; the format may be given per group or
-    once for all groups. Any other format, or MXFP4 with other bits or group size, is refused.
+    once for all groups. Any other format, or MXFP4 with other bits or group size, is refused,
+    and so is an `ignore` list that exempts some routed experts but not others: a container
+    stores every routed expert in one format.
     """
     if not c.has("quantization_config"):
         return None
@@ -256,7 +270,7 @@ def _expert_quant(c: _Keys) -> str | None:
         raise ConfigError(f"config key {q._path('quant_method')!r}: expected 'compressed-tensors', got {method!r}")
     ignore = q.str_list("ignore") if q.has("ignore") else []
     groups = q.obj("config_groups")
-    found = None
+    quantised: dict[str, bool] = dict.fromkeys(_expert_modules(moe_layers, num_experts) if moe_layers else [], False)
     for gname in groups.d:
         g = groups.obj(gname)
         fmt = g.str("format") if g.has("format") else q.str("format")
@@ -267,9 +281,16 @@ def _expert_quant(c: _Keys) -> str | None:
         if bits != 4 or group != MXFP4_GROUP or w.str("type", "float") != "float":
             raise ConfigError(f"config key {w.where!r}: {MXFP4_FORMAT} needs num_bits 4, group_size "
                               f"{MXFP4_GROUP}, type float")
-        if _matches(g.str_list("targets"), _EXPERT_MODULE) and not _matches(ignore, _EXPERT_MODULE):
-            found = "mxfp4"
-    return found
+        targets = g.str_list("targets")
+        for module in quantised:
+            quantised[module] = quantised[module] or (_matches(targets, module) and not _matches(ignore, module))
+    packed = [m for m, q in quantised.items() if q]
+    kept = [m for m, q in quantised.items() if not q]
+    if packed and kept:
+        raise ConfigError(f"config key {q._path('ignore')!r}: quantises some routed experts and not others "
+                          f"({packed[0]} is {MXFP4_FORMAT}, {kept[0]} is not); waste stores every routed expert "
+                          "in one format")
+    return "mxfp4" if packed else None
 
 
 def parse_config(hf: dict[str, Any]) -> ModelConfig:
@@ -315,7 +336,8 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         raise ConfigError("config key 'mla_use_nope': waste implements NoPE MLA only (mla_use_nope: true); "
                           "this config asks for rotary position embeddings in its MLA layers")
     latent = c.opt_int("routed_expert_hidden_size")
-    expert_quant = _expert_quant(c if c.has("quantization_config") else top)
+    expert_quant = _expert_quant(c if c.has("quantization_config") else top, range(first_dense, num_layers),
+                                 num_experts)
     if expert_quant == "mxfp4":
         moe_inter = c.int("moe_intermediate_size")
         for key, width in (("routed_expert_hidden_size" if latent else "hidden_size", latent or c.int("hidden_size")),

@@ -18,6 +18,7 @@ from waste.container import open_container
 from waste.container.convert import convert
 from waste.container.format import EXPERT_PARTS, expected_expert_tensors, expected_tensors, expert_name
 from waste.container.k3_layout import MXFP4_QUANTIZATION_CONFIG, VISION_TENSORS, canonical, checkpoint_name
+from waste.engine.model import Model
 from waste.synth import synthesize
 
 CFG = load_preset("k3-tiny")
@@ -135,6 +136,7 @@ def test_alternative_spellings_and_a_longer_a_log_are_accepted(f32_pair: tuple[P
         for name in list(VISION_TENSORS):
             t.pop(name)
         t["language_model.vision_tower.extra.weight"] = np.ones((3, 5), np.float32)
+        t["vision_tower.encoder.pos_ids"] = np.arange(4, dtype=np.int64)  # a dtype no text tensor has
 
     rewrite(hf, edit)
     out = convert(hf, tmp_path / "c.waste", quant="f32", progress=False)
@@ -143,27 +145,32 @@ def test_alternative_spellings_and_a_longer_a_log_are_accepted(f32_pair: tuple[P
                               ref.tensor(bias.removeprefix("language_model.")))
         assert c.tensor(a_log.removeprefix("language_model.")).shape == (max(CFG.kda_num_heads,
                                                                               CFG.kda_head_dim) + 40,)
-        assert c.manifest["source"]["ignored_tensors"] == 1
+        assert c.manifest["source"]["ignored_tensors"] == 2
         assert not any("vision" in n for n in c.names())
+        # The engine runs what convert accepted: the same logits as the original layout's.
+        models = [Model(c), Model(ref)]
+        logits = [m.prefill(m.new_session(), [1, 5, 9, 2]) for m in models]
+    np.testing.assert_array_equal(logits[0], logits[1])
 
 
 @pytest.mark.parametrize(
-    ("drop", "message"),
+    ("drop", "spelling"),
     [
-        (f"{BLOCK}.mlp_res_proj.weight", f"missing 1 tensor(s): model.layers.{LAYER}.mlp_res_proj.weight"),
-        ("language_model.model.output_attn_res_norm.weight",
-         "missing 1 tensor(s): model.output_attn_res_norm.weight"),
-        (f"{BLOCK}.block_sparse_moe.routed_expert_up_proj.weight",
-         f"missing 1 tensor(s): model.layers.{LAYER}.block_sparse_moe.routed_expert_up_proj.weight"),
+        (f"{BLOCK}.mlp_res_proj.weight", "canonical"),
+        (f"{BLOCK}.mlp_res.proj_weight", "dotted"),
+        ("language_model.model.output_attn_res_norm.weight", "canonical"),
+        ("language_model.model.output_attn_res.norm_weight", "dotted"),
+        (f"{BLOCK}.block_sparse_moe.routed_expert_up_proj.weight", "canonical"),
     ],
 )
 def test_missing_k3_tensor_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str], drop: str,
-                                              message: str) -> None:
-    hf = synthesize("k3-tiny", tmp_path / "hf", dtype="f32", expert_format="f32")
+                                              spelling: str) -> None:
+    """Named as the checkpoint spells it (prefix, AttnRes spelling), not by waste's canonical name."""
+    hf = synthesize("k3-tiny", tmp_path / "hf", dtype="f32", expert_format="f32", attn_res_spelling=spelling)
     rewrite(hf, lambda t: t.pop(drop))
     code = main(["convert", str(hf), str(tmp_path / "c.waste"), "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert code == 2 and f"missing 1 tensor(s): {drop}" in err and err.count("\n") == 1, err
     assert not (tmp_path / "c.waste").exists()
 
 
@@ -324,6 +331,6 @@ def test_missing_expert_scale_is_refused_by_name(tmp_path: Path, capsys: pytest.
     rewrite(hf, lambda t: t.pop(f"{BLOCK}.block_sparse_moe.experts.5.w2.weight_scale"))
     code = main(["convert", str(hf), str(tmp_path / "c.waste"), "--quiet"])
     err = capsys.readouterr().err
-    message = f"missing 1 tensor(s): model.layers.{LAYER}.block_sparse_moe.experts.5.w2.weight_scale"
+    message = f"missing 1 tensor(s): {BLOCK}.block_sparse_moe.experts.5.w2.weight_scale"
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "c.waste").exists()

@@ -5,6 +5,8 @@ weights' own error, tells q8 from q4, and every stored matrix is held to its for
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,8 @@ from waste.engine.check import (
     SAFETY_FACTOR,
     WEIGHT_BOUND_FACTOR,
     WEIGHT_REL_ERROR,
+    CheckReport,
+    WeightCheck,
     check_against_oracle,
     weight_check,
 )
@@ -182,3 +186,20 @@ def test_check_cli_source(tiny_pair, tmp_path, capsys):
     assert main(["check", str(path), "--source", str(other), "--prompt-len", "4", "--new", "1"]) == 2
     err = capsys.readouterr().err
     assert "differs from the container's" in err and err.count("\n") == 1
+
+
+def test_a_failed_check_names_what_failed():
+    """The failure line names each failed criterion and no other (a weight check failing with the
+    logits within tolerance once read 'relative error ... above tolerance')."""
+    weights_off = WeightCheck(name="model.layers.1.mlp.up_proj.weight", storage="q8g", error=0.02,
+                              estimate=WEIGHT_REL_ERROR["q8g"], matrices=12)
+    report = CheckReport(scheme="q8", experts="q8g", tolerance=1e-2, ids=[1, 2, 3], prompt_len=2,
+                         layer_kinds=["kda"], layer_errors=[1e-3], logits_error=2e-3, logits_max_abs=5.0,
+                         greedy_agree=3, greedy_clear=3, greedy_clear_agree=3, weights=weights_off)
+    assert not report.passed
+    (only,) = report.failures()
+    assert only.startswith("stored weights unlike the checkpoint's: model.layers.1.mlp.up_proj.weight (q8g)")
+    worse = dataclasses.replace(report, logits_error=0.5, greedy_disagreements=[2])
+    assert [f.split()[0] for f in worse.failures()] == ["relative", "greedy", "stored"]
+    good = dataclasses.replace(report, weights=dataclasses.replace(weights_off, error=1e-3))
+    assert good.passed and good.failures() == []

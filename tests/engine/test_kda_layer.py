@@ -129,6 +129,14 @@ def test_layer_rejects_bad_weights_and_state() -> None:
     bad = dict(w, A_log=np.zeros(3, np.float32))
     with pytest.raises(WasteError, match="A_log"):
         _layer(cfg, bad)
+    # Any length >= H that is zero past H, as convert accepts it (not only H or K).
+    H = cfg.kda_num_heads
+    per_head = w["A_log"].ravel()[:H]
+    padded = dict(w, A_log=np.concatenate([per_head, np.zeros(3, np.float32)]))
+    assert np.array_equal(_layer(cfg, padded).a_log, per_head)
+    bad = dict(w, A_log=np.concatenate([per_head, np.ones(3, np.float32)]))
+    with pytest.raises(WasteError, match="A_log"):
+        _layer(cfg, bad)
     layer = _layer(cfg, w)
     wrong = KDAState.zeros(1, 2, (3, 3, 64))
     with pytest.raises(WasteError):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from waste.errors import WasteError
-from waste.kernels.routing import route, router_logits
+from waste.kernels.routing import route, route_one_token, router_logits
 from waste.reference import moe as ref
 
 
@@ -85,6 +85,26 @@ def test_dropped_groups_are_zeroed_not_removed() -> None:
         ids, w = router(logits, bias, top_k=2, num_groups=2, topk_group=1, scaling=1.0)
         np.testing.assert_array_equal(ids, [[0, 2]])
         np.testing.assert_allclose(w, [[0.5 / 0.8, 0.3 / 0.8]], rtol=1e-6)
+
+
+def test_one_expert_keeps_its_score() -> None:
+    # Renormalising applies only when k > 1 (transformers' router, FACTS.md): with top-1 the
+    # weight is sigmoid(2) x scaling, not scaling. The engine's router, the one-token kernel the
+    # decode routes with, and the oracle agree on the hand-computed value.
+    logits = np.array([[0.3, -1.0, 2.0, 0.1, -0.5, 0.0, 1.0, -2.0]], np.float32)
+    bias = np.zeros(8, np.float32)
+    expected = 2.5 / (1 + np.exp(-2.0))  # 2.2020
+    for router in (route, ref.route):
+        ids, w = router(logits, bias, top_k=1, scaling=2.5)
+        np.testing.assert_array_equal(ids, [[2]])
+        np.testing.assert_allclose(w, [[expected]], rtol=1e-6)
+    x = np.eye(8, dtype=np.float32)[:1]  # a one-hot token: its logits are the weight's first column
+    weight = np.zeros((8, 8), np.float32)
+    weight[:, 0] = logits[0]
+    ids, w = np.empty((1, 1), np.int64), np.empty((1, 1), np.float32)
+    route_one_token(x, weight, bias, 1, 1, 1, True, np.float32(2.5), False, ids, w)
+    np.testing.assert_array_equal(ids, [[2]])
+    np.testing.assert_allclose(w, [[expected]], rtol=1e-6)
 
 
 def test_router_logits_are_float32_products() -> None:

@@ -67,7 +67,8 @@ class SourceTensor:
 
 
 def read_header(path: Path) -> list[SourceTensor]:
-    """The tensors a safetensors file declares, checked against the file's size."""
+    """The tensors a safetensors file declares, checked against the file's size. A K3 checkpoint's
+    vision tensors may have any dtype: they are listed (for `inventory` to count) but never read."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -95,6 +96,9 @@ def read_header(path: Path) -> list[SourceTensor]:
             ok = False
         if not ok:
             raise WasteError(f"{path}: tensor {name!r} has a malformed header entry")
+        if k3_layout.is_vision(name):
+            out.append(SourceTensor(name, path, dtype, shape, 8 + n + lo, hi - lo))
+            continue
         if dtype not in _ST_DTYPES:
             raise WasteError(f"{path}: tensor {name!r} has dtype {dtype}; expected one of {', '.join(_ST_DTYPES)}")
         if hi - lo != math.prod(shape) * _ST_DTYPES[dtype].itemsize:
@@ -167,11 +171,14 @@ def inventory(hf_dir: Path, cfg: ModelConfig) -> tuple[dict[str, SourceTensor], 
                 raise WasteError(f"{hf_dir}: tensor {name!r} appears twice ({found[name].path.name}, {path.name})")
             found[name] = t
     expected = expected_checkpoint_tensors(cfg)
-    missing = [n for n in expected if n not in found]
-    unexpected = [n for n in found if n not in expected]
-    misshapen = [f"{n} {list(t.shape)} (expected {list(expected[n])})" for n, t in found.items()
+    # Named as the file spells them: a found tensor by its own name, a missing one as the file's
+    # other names suggest (K3: prefix, AttnRes spelling).
+    spell = k3_layout.spelled_like([t.name for t in found.values()]) if k3 else str
+    missing = [spell(n) for n in expected if n not in found]
+    unexpected = [t.name for n, t in found.items() if n not in expected]
+    misshapen = [f"{t.name} {list(t.shape)} (expected {list(expected[n])})" for n, t in found.items()
                  if n in expected and not shape_accepted(n, t.shape, expected[n], cfg)]
-    mistyped = [f"{n} {t.dtype}" for n, t in found.items()
+    mistyped = [f"{t.name} {t.dtype}" for n, t in found.items()
                 if n in expected and (t.dtype == "U8") != (k3_layout.mxfp4_expert(n) is not None)]
     problems = []
     if missing:

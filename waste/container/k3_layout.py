@@ -16,6 +16,7 @@ A K3 checkpoint (`model_type: kimi_k3`) differs from Kimi-Linear's in its names 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from waste.config import MXFP4_GROUP
 from waste.errors import WasteError
@@ -64,6 +65,20 @@ def checkpoint_name(name: str, res_spelling: str = "canonical") -> str:
     return TEXT_PREFIX + name
 
 
+def spelled_like(checkpoint_names: list[str]) -> Callable[[str], str]:
+    """A function giving a canonical tensor name as a K3 checkpoint with these names spells it (its
+    `language_model.` prefix or none, its AttnRes spelling), so that an error names what the user
+    would look for in the file."""
+    prefixed = any(n.startswith(TEXT_PREFIX) for n in checkpoint_names)
+    spelling = "dotted" if any(_RES_DOTTED.search(n) for n in checkpoint_names) else "canonical"
+
+    def spell(name: str) -> str:
+        name = checkpoint_name(name, spelling)
+        return name if prefixed else name.removeprefix(TEXT_PREFIX)
+
+    return spell
+
+
 def mxfp4_expert(name: str) -> tuple[int, int, str, str] | None:
     """(layer, expert, part, buffer) of a canonical MXFP4 expert tensor name, else None."""
     m = _MXFP4_EXPERT.match(name)
@@ -85,7 +100,8 @@ def mxfp4_shapes(shape: tuple[int, int]) -> dict[str, tuple[int, int]]:
 
 
 # The quantization_config K3 ships (under text_config): compressed-tensors MXFP4 for every Linear
-# except those its ignore list names, so only the routed experts.
+# except those its ignore list names, so only the routed experts (the latent MoE's projections
+# and AttnRes's stay bfloat16, as synth writes them and convert expects them).
 MXFP4_QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",
     "format": "mxfp4-pack-quantized",
@@ -99,7 +115,8 @@ MXFP4_QUANTIZATION_CONFIG = {
         "output_activations": None,
     }},
     "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-               "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+               r"re:.*block_sparse_moe\.routed_expert_(down|up)_proj.*", "re:.*_res_proj.*", "re:.*lm_head.*",
+               "re:.*vision_tower.*", "re:.*mm_projector.*"],
     "kv_cache_scheme": None,
 }
 # Tensors a K3 checkpoint keeps in float32 when the rest is bfloat16 (FACTS.md).

@@ -256,9 +256,21 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
-        errs = [*self.layer_errors, self.logits_error]
-        weights_ok = self.weights is None or self.weights.passed
-        return max(errs) <= self.tolerance and not self.greedy_disagreements and weights_ok
+        return not self.failures()
+
+    def failures(self) -> list[str]:
+        """What failed, each as a phrase (empty when the check passed)."""
+        out = []
+        worst = max([*self.layer_errors, self.logits_error])
+        if worst > self.tolerance:
+            out.append(f"relative error {worst:.3e} above tolerance {self.tolerance:.1e}")
+        if self.greedy_disagreements:
+            out.append(f"greedy disagreement at positions {self.greedy_disagreements[:5]}")
+        if self.weights is not None and not self.weights.passed:
+            w = self.weights
+            out.append(f"stored weights unlike the checkpoint's: {w.name} ({w.storage}) {w.error:.2e} relative, above "
+                       f"{WEIGHT_BOUND_FACTOR:g} x its format's estimate {w.estimate:.1e}")
+        return out
 
     def format(self) -> str:
         lines = [f"check: {len(self.ids)} positions ({self.prompt_len} prefill + {len(self.ids) - self.prompt_len} "

@@ -215,7 +215,5 @@ def cmd_check(args: Any) -> int:
     print(report.format())
     sys.stdout.flush()
     if not report.passed:
-        worst = max(report.layer_errors + [report.logits_error])
-        raise CheckFailed(f"relative error {worst:.3e} above tolerance {report.tolerance:.1e} or greedy "
-                          f"disagreement at {report.greedy_disagreements[:5]}")
+        raise CheckFailed("; ".join(report.failures()))
     return 0

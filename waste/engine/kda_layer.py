@@ -185,8 +185,9 @@ class KDALayer:
         else:
             gate = (matrix("g_a_proj.weight", (K, hidden)), matrix("g_b_proj.weight", (HK, K)))
         a_log = np.asarray(get_tensor(prefix + "A_log"), np.float32)
-        if a_log.size not in (H, K):
-            raise WasteError(f"{prefix}A_log: expected {H} values (or {K} zero-padded), got shape {list(a_log.shape)}")
+        if a_log.size < H or np.any(a_log.reshape(-1)[H:]):  # as convert accepts it (format.shape_accepted)
+            raise WasteError(f"{prefix}A_log: expected {H} values (or more, zero past {H}), got shape "
+                             f"{list(a_log.shape)}")
         return cls(
             cfg,
             qkv=tuple(matrix(f"{n}_proj.weight", (HK, hidden)) for n in "qkv"),  # type: ignore[arg-type]

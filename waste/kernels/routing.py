@@ -8,7 +8,7 @@ Routing per token (FACTS.md, float32 throughout like transformers' KimiLinearTop
     keep the topk_group best groups; the experts of the others choose with c = 0
     ids = top-k of those choice scores, in rank order (best first)
     w = s[ids] ("unbiased": transformers, vLLM)  |  c[ids] ("biased": the official remote code)
-    w = w / (sum(w) + 1e-20) if renormalize;  w = w * routed_scaling_factor
+    w = w / (sum(w) + 1e-20) if renormalize and k > 1;  w = w * routed_scaling_factor
 
 Dropped groups are zeroed, not removed (FACTS.md, K3; the DeepSeek-style remote code and mlx-lm
 do this, vLLM masks with -inf): they differ only when a kept expert's biased score is negative,
@@ -79,7 +79,7 @@ def _route(logits, bias, top_k, n_group, topk_group, renormalize, scaling, biase
             w = c[best] if biased else s[best]
             weights[t, i] = w
             total += w
-        if renormalize:
+        if renormalize and top_k > 1:  # one expert keeps its score (transformers' router, FACTS.md)
             denom = total + np.float32(1e-20)
             for i in range(top_k):
                 weights[t, i] = weights[t, i] / denom

@@ -52,7 +52,7 @@ def route(
         candidates = [(-c[e] if e // size in kept else 0.0, e) for e in range(E)]
         chosen = [e for _, e in sorted(candidates)[:top_k]] if forced_ids is None else list(forced_ids[t])
         w = np.array([c[e] if router_weights == "biased" else s[e] for e in chosen])
-        if renormalize:
+        if renormalize and top_k > 1:  # FACTS.md: renormalised when k > 1
             w = w / (w.sum() + 1e-20)
         ids[t] = chosen
         weights[t] = w * scaling
