@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 $(VENV): $(VENV)/.installed
 
 demo: $(VENV)
-	$(BIN)/waste demo --work-dir $(DEMO_DIR)
+	$(BIN)/waste demo --work-dir $(DEMO_DIR) --force
 
 test: $(VENV)
 	$(BIN)/ruff check waste tests bench

@@ -85,6 +85,11 @@ def test_stdout_on_a_full_device() -> None:
     ["check", "C", "--tolerance", "-1"],
     ["check", "C", "--prompt-len", "0"],
     ["plan", "tiny", "--ram", "5iB"],
+    ["plan", "tiny", "--context", "0"],
+    ["plan", "C", "--context", "0", "--ram", "1G", "--disk-gbps", "1", "--mem-gbps", "1"],
+    ["plan", "C", "--ram", "1G", "--disk-gbps", "1e308", "--mem-gbps", "1"],
+    ["plan", "C", "--ram", "1G", "--disk-gbps", "inf", "--mem-gbps", "1"],
+    ["run", "C", "--prompt-ids", "1", "--max-new", "1", "--temperature", "inf"],
 ])
 def test_bad_numbers_refused_before_any_work(capsys: pytest.CaptureFixture[str], container: Path,
                                              argv: list[str]) -> None:
@@ -141,3 +146,61 @@ def test_sizes_refuse_a_unitless_ib() -> None:
     for text in ("5iB", "5i", "KiB"):
         with pytest.raises(WasteError):
             parse_size(text)
+
+
+def test_no_progress_bar_on_a_log_and_no_nan_speed(capsys: pytest.CaptureFixture[str], container: Path,
+                                                   tmp_path: Path) -> None:
+    """stderr that is not a terminal gets the error line alone (no progress bar's carriage
+    returns), and a run that decodes nothing prints no NaN speed."""
+    from safetensors.numpy import load_file, save_file
+
+    from waste.synth import synthesize
+
+    hf = synthesize("tiny", tmp_path / "hf", dtype="f32")
+    shard = next(hf.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    tensors["lm_head.weight"][3, 5] = np.nan  # found while converting, the bar already running
+    save_file(tensors, str(shard))
+    err = one_line_error(capsys, ["convert", str(hf), str(tmp_path / "c.waste")])
+    assert "lm_head" in err and "\r" not in err
+    assert main(["run", str(container), "--prompt-ids", "1,2", "--max-new", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "decode: 0 tokens" in out
+
+
+def test_an_unwritable_output_directory_is_refused_before_the_prompt_runs(
+        capsys: pytest.CaptureFixture[str], container: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory the run cannot create files in (here a read-only file system, as mkstemp sees it)
+    is refused before the prompt runs, not after the whole run when the output is written."""
+    import waste.fileio
+
+    def read_only(*args: object, **kwargs: object) -> tuple[int, str]:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(waste.fileio.tempfile, "mkstemp", read_only)
+    for flag in ("--logits-out", "--session-out", "--trace-out"):
+        err = one_line_error(capsys, ["run", str(container), "--prompt-ids", "1,2", "--max-new", "1", flag,
+                                      str(tmp_path / "out.bin")])
+        assert f"cannot write in {tmp_path}: Read-only file system" in err
+        assert "generated" not in capsys.readouterr().out
+
+
+def test_demo_keeps_out_of_a_directory_it_did_not_make(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from waste.demo import DEMO_MARK, _claim_work_dir
+
+    work = tmp_path / "mine"
+    (work / "tiny.waste").mkdir(parents=True)
+    (work / "tiny.waste" / "notes.txt").write_text("keep me")
+    err = one_line_error(capsys, ["demo", "--work-dir", str(work)])
+    assert "waste demo did not write" in err and "--force" in err
+    assert (work / "tiny.waste" / "notes.txt").read_text() == "keep me" and not (work / DEMO_MARK).exists()
+    (tmp_path / "file").write_text("")
+    assert "not a directory" in one_line_error(capsys, ["demo", "--work-dir", str(tmp_path / "file")])
+    # New, empty and the demo's own directories are taken; another only with --force.
+    (tmp_path / "empty").mkdir()
+    for fresh in (tmp_path / "new", tmp_path / "empty"):
+        _claim_work_dir(fresh, force=False)
+        _claim_work_dir(fresh, force=False)
+        assert (fresh / DEMO_MARK).is_file()
+    _claim_work_dir(work, force=True)
+    assert (work / DEMO_MARK).is_file()

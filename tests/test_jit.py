@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from threadpoolctl import threadpool_info
 
 from waste import jit
@@ -52,6 +53,15 @@ def test_bad_blas_threads_is_a_one_line_cli_error() -> None:
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip() == "waste: error: WASTE_BLAS_THREADS='0': expected a positive number of threads"
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "-2"])
+def test_bad_numba_threads_is_a_one_line_cli_error(value: str) -> None:
+    env = dict(os.environ, NUMBA_NUM_THREADS=value)
+    code = "from waste.cli import main; raise SystemExit(main(['plan', 'tiny']))"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip() == f"waste: error: NUMBA_NUM_THREADS={value!r}: expected a positive number of threads"
 
 
 def test_kernels_cache_below_a_directory_named_by_the_sources() -> None:

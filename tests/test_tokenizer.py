@@ -163,7 +163,8 @@ def test_text_on_a_container_without_tokenizer_is_one_line(tmp_path_factory, tmp
     shutil.rmtree(bare / CONTAINER_DIR)
     assert main(["run", str(bare), "--prompt", "Hello"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "has no tokenizer" in err[0]
+    # The manifest lists the files: they are missing, not absent from the checkpoint.
+    assert len(err) == 1 and f"{CONTAINER_DIR}/{TIKTOKEN_FILE}: missing" in err[0]
     assert main(["run", str(bare), "--prompt-ids", "1,2", "--max-new", "1"]) == 0
 
 
@@ -175,3 +176,29 @@ def test_damaged_tokenizer_is_refused(tmp_path_factory, tmp_path, capsys):
     path.write_bytes(path.read_bytes().replace(b"helpful", b"harmful"))
     assert main(["run", str(bad), "--chat", "Hi"]) == 2
     assert "does not match the manifest" in capsys.readouterr().err
+    # waste verify reads the tokenizer's files too: damaged, then one of them missing.
+    assert main(["verify", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{CONFIG_FILE}: does not match the manifest" in err and err.count("\n") == 1
+    (bad / CONTAINER_DIR / TIKTOKEN_FILE).unlink()
+    assert main(["verify", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{TIKTOKEN_FILE}: missing" in err and CONFIG_FILE in err
+    assert main(["verify", str(container)]) == 0
+
+
+def test_a_checkpoint_without_tokenizer_gives_a_container_without_one(tmp_path, capsys):
+    from waste.container.convert import convert
+    from waste.synth import synthesize
+
+    hf = synthesize("tiny", tmp_path / "hf", dtype="f32")
+    for name in (TIKTOKEN_FILE, CONFIG_FILE):
+        (hf / name).unlink()
+    out = convert(hf, tmp_path / "c.waste", quant="f32", progress=False)
+    assert container_tokenizer(out) is None
+    assert main(["verify", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(out), "--prompt", "Hello", "--max-new", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer (the checkpoint it was converted from had no tiktoken.model)" in err
+    assert err.count("\n") == 1

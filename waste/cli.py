@@ -16,10 +16,11 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from waste.env import blas_threads
+from waste.env import blas_threads, check_numba_threads
 from waste.errors import CheckFailed, WasteError
 from waste.expert_io import DEFAULT_IO, IO_MODES
 from waste.qformat import EXPERT_CHOICES, SCHEMES
+from waste.units import MAX_GBPS
 
 # subcommand -> "module:function" taking the parsed args and returning an exit code
 HANDLERS = {
@@ -65,7 +66,9 @@ def _float(low: float, high: float = math.inf, *, low_open: bool = False) -> Cal
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not math.isfinite(v) or v < low or v > high or (low_open and v == low):
-            raise argparse.ArgumentTypeError(f"{text} is outside {'(' if low_open else '['}{low}, {high}]")
+            upper = f"{high:g}]" if math.isfinite(high) else "inf)"
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number in {'(' if low_open else '['}{low:g}, "
+                                             f"{upper}")
         return v
 
     return parse
@@ -103,10 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the scheme's)")
     s.add_argument("--sweep", action="store_true", help="context-dependent lines from 1K to the model's maximum")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
-    s.add_argument("--disk-gbps", type=_float(0.0, low_open=True), default=None,
+    s.add_argument("--disk-gbps", type=_float(0.0, MAX_GBPS, low_open=True), default=None,
                    help="disk read bandwidth for the decode prediction with --ram (default: measured on the "
                         "container's disk once and cached)")
-    s.add_argument("--mem-gbps", type=_float(0.0, low_open=True), default=None,
+    s.add_argument("--mem-gbps", type=_float(0.0, MAX_GBPS, low_open=True), default=None,
                    help="memory bandwidth for the decode prediction with --ram (default: measured once and cached)")
     s.add_argument("--measure", action="store_true", help="measure the bandwidths again instead of using the cache")
     s.add_argument("--trace", help="routing trace (.npz from waste run --trace-out) whose decode lookups give the "
@@ -194,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command("demo", help="the whole pipeline on the tiny preset")
     s.add_argument("--work-dir", default=".demo", help="where the synthesised checkpoint and container live")
+    s.add_argument("--force", action="store_true",
+                   help="use a --work-dir that holds files the demo did not write (its tiny-hf and tiny.waste "
+                        "are replaced)")
     return p
 
 
@@ -220,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         blas_threads()  # a bad WASTE_BLAS_THREADS fails here, whether or not the command loads kernels
+        check_numba_threads()
         module_name, func_name = HANDLERS[args.command].split(":")
         handler = getattr(importlib.import_module(module_name), func_name)
         code = int(handler(args) or 0)

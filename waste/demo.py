@@ -16,11 +16,27 @@ from typing import Any
 import numpy as np
 
 from waste.config import PRESETS
-from waste.errors import CheckFailed
+from waste.errors import CheckFailed, WasteError
+
+# Written into the work directory by the demo: a directory holding it is the demo's own, whose
+# checkpoint and container a later demo may replace; any other non-empty one is refused.
+DEMO_MARK = ".waste-demo"
 
 
 def _section(title: str) -> None:
     print(f"\n== {title} ==", flush=True)
+
+
+def _claim_work_dir(work: Path, force: bool) -> None:
+    """Make `work` the demo's directory, refusing one that holds files the demo did not write
+    (its tiny-hf and tiny.waste would be replaced) unless `force`."""
+    if work.exists() and not work.is_dir():
+        raise WasteError(f"--work-dir {work}: not a directory")
+    if work.is_dir() and not (work / DEMO_MARK).exists() and any(work.iterdir()) and not force:
+        raise WasteError(f"--work-dir {work} holds files waste demo did not write (its tiny-hf and tiny.waste "
+                         "would be replaced); give a new or empty directory, or pass --force")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / DEMO_MARK).write_text("made by waste demo: its tiny-hf and tiny.waste are replaced by the next demo\n")
 
 
 def cmd_demo(args: Any) -> int:
@@ -37,7 +53,7 @@ def cmd_demo(args: Any) -> int:
 
     start = time.perf_counter()
     work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+    _claim_work_dir(work, args.force)
     hf_dir, container_path = work / "tiny-hf", work / "tiny.waste"
 
     _section("memory plans of the embedded presets (4K context, q4 weights, 24 GiB RAM)")

@@ -20,6 +20,17 @@ def blas_threads() -> int:
     return int(value)
 
 
+NUMBA_THREADS_ENV = "NUMBA_NUM_THREADS"
+
+
+def check_numba_threads() -> None:
+    """A WasteError naming NUMBA_NUM_THREADS unless it is unset, empty or a positive integer (Numba
+    itself stops with a traceback at 0, and warns and ignores text)."""
+    value = os.environ.get(NUMBA_THREADS_ENV, "")
+    if value and (not value.strip().isdigit() or int(value) < 1):
+        raise WasteError(f"{NUMBA_THREADS_ENV}={value!r}: expected a positive number of threads")
+
+
 def user_cache_home() -> Path:
     """waste's directory under $XDG_CACHE_HOME (default ~/.cache): machine figures, notebooks'
     models and, unless NUMBA_CACHE_DIR says otherwise, compiled kernels live below it."""

@@ -88,6 +88,7 @@ def check_output(path: str | Path, what: str, force: bool, same_kind: Callable[[
     path = Path(path)
     if not path.parent.is_dir():
         raise WasteError(f"{what} {path}: directory {path.parent} does not exist")
+    _probe_writable(path, what)
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -99,6 +100,18 @@ def check_output(path: str | Path, what: str, force: bool, same_kind: Callable[[
     if not force and not same_kind(path):
         raise WasteError(f"{what} {path}: exists and is not an earlier {what} output; pass --force to replace it")
     return path
+
+
+def _probe_writable(path: Path, what: str) -> None:
+    """Create and remove a file beside `path`, as the output's temporary name will be: a directory
+    the user cannot write, or a read-only file system, is refused before the work rather than
+    after it (os.access says yes to root on a read-only mount)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=path.parent)
+    except OSError as e:
+        raise WasteError(f"{what} {path}: cannot write in {path.parent}: {e.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def file_starts_with(path: Path, magic: bytes) -> bool:

@@ -243,6 +243,8 @@ def make_plan(
     """Plan a preset, config.json or container at one context length."""
     name, cfg, container = load_target(target)
     ctx = parse_count(context, "context")
+    if ctx < 1:
+        raise WasteError(f"context {context!r}: a run holds at least one token")
     if ctx > cfg.max_position_embeddings:
         raise WasteError(f"context {ctx} exceeds the model's maximum of {cfg.max_position_embeddings} tokens")
     ram_bytes = None if ram is None else parse_size(ram, "--ram")

@@ -65,7 +65,7 @@ def synthesize_container(cfg_or_preset: ModelConfig | dict[str, Any] | str | Pat
     with ContainerWriter(out, cfg, quant, trunk, force=force, extra={"source": source}) as w, \
             ThreadPoolExecutor(threads, "waste-synth") as pool, \
             tqdm(total=total, unit="B", unit_scale=True, desc=f"synth {quant}", file=sys.stderr,
-                 disable=not progress, leave=False) as bar:
+                 disable=None if progress else True, leave=False) as bar:  # None: a terminal only
         while True:
             # Keep the pool busy, but never hold more than max_pending_bytes of drawn values
             # (one tensor may exceed it on its own: the embedding and lm_head at real sizes).

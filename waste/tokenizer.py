@@ -262,22 +262,43 @@ def container_tokenizer(container: Any) -> Tokenizer | None:
     if not isinstance(container, Container):
         with open_container(container, verify=False) as c:  # the manifest is checked; that is all this needs
             return container_tokenizer(c)
-    try:
-        os.stat(f"{CONTAINER_DIR}/{TIKTOKEN_FILE}", dir_fd=container.dir_fd)
-    except FileNotFoundError:
-        return None  # no tokenizer/ (left out of a copy, say): text needs one, token ids do not
-    except OSError:
-        pass  # anything else, reading the file below names
+    listed = listed_tokenizer_files(container)
+    if not listed:
+        try:
+            os.stat(f"{CONTAINER_DIR}/{TIKTOKEN_FILE}", dir_fd=container.dir_fd)
+        except FileNotFoundError:
+            return None  # converted from a checkpoint without one: text needs one, token ids do not
+        except OSError:
+            pass
+        raise WasteError(f"{container.path / CONTAINER_DIR}: the container's manifest does not list these tokenizer "
+                         "files")
+    # Listed: a file that is missing or damaged is named (`read_side_file`), never taken for "none".
+    files = {name: container.read_side_file(f"{CONTAINER_DIR}/{name}", record) for name, record in listed.items()}
+    return tokenizer_from_files(files, container.path / CONTAINER_DIR)
+
+
+def listed_tokenizer_files(container: Any) -> dict[str, Any]:
+    """The tokenizer files an open container's manifest lists, name -> {"bytes", "crc32c"} ({} for
+    a container converted from a checkpoint without a tokenizer)."""
     source = container.manifest.get("source")
     listed = source.get("tokenizer") if isinstance(source, dict) else None
     if not listed:
-        raise WasteError(f"{container.path / CONTAINER_DIR}: the container's manifest does not list these tokenizer "
-                         "files")
+        return {}
     if not isinstance(listed, dict) or TIKTOKEN_FILE not in listed:
         raise WasteError(f"{container.path / 'manifest.json'}: source.tokenizer does not list {TIKTOKEN_FILE}")
-    files = {name: container.read_side_file(f"{CONTAINER_DIR}/{name}", record) for name, record in listed.items()
-             if name in TOKENIZER_FILES}
-    return tokenizer_from_files(files, container.path / CONTAINER_DIR)
+    return {name: record for name, record in listed.items() if name in TOKENIZER_FILES}
+
+
+def tokenizer_problems(container: Any) -> list[str]:
+    """What is wrong with the tokenizer files an open container's manifest lists (missing, damaged),
+    one line each; `waste verify` reports them with the data files' problems."""
+    problems = []
+    for name, record in listed_tokenizer_files(container).items():
+        try:
+            container.read_side_file(f"{CONTAINER_DIR}/{name}", record)
+        except WasteError as e:
+            problems.append(str(e))
+    return problems
 
 
 def require_tokenizer(container: Any) -> Tokenizer:
@@ -285,7 +306,7 @@ def require_tokenizer(container: Any) -> Tokenizer:
     tok = container_tokenizer(container)
     if tok is None:
         where = getattr(container, "path", container)
-        raise WasteError(f"{where} has no tokenizer (the checkpoint it came from had no tiktoken.model); "
+        raise WasteError(f"{where} has no tokenizer (the checkpoint it was converted from had no tiktoken.model); "
                          f"give token ids with --prompt-ids")
     return tok
 

@@ -6,6 +6,10 @@ import re
 
 from waste.errors import WasteError
 
+# The largest bandwidth waste plans with, in GB/s (--disk-gbps, --mem-gbps, the measurements'
+# cache): far above any machine's, and small enough that a token's seconds stay above zero.
+MAX_GBPS = 1e6
+
 _BINARY = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # A number, then nothing, a unit letter optionally followed by B or iB (4K, 4KB, 4KiB), or a lone B.
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?B)?|(B))?\s*$", re.IGNORECASE)

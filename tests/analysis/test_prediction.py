@@ -165,6 +165,21 @@ def test_memory_is_what_the_decode_kernel_reads(tmp_path: Path, monkeypatch: pyt
     assert json.loads((tmp_path / machine.CACHE_FILE).read_text())[machine.MEMORY_KEY]["gbps"] == 12.5
 
 
+def test_a_cache_entry_out_of_range_is_measured_again_and_an_unwritable_cache_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "measure_memory", lambda n: {"bytes": n, "gbps": 12.5})
+    monkeypatch.setenv("WASTE_CACHE_DIR", str(tmp_path))
+    for bad in ("Infinity", "NaN", "1e300", "0", '"fast"'):
+        (tmp_path / machine.CACHE_FILE).write_text(f'{{"{machine.MEMORY_KEY}": {{"gbps": {bad}}}}}')
+        got = bandwidths(disk_file=tmp_path / machine.CACHE_FILE, disk_gbps=1.0)
+        assert got.memory.gbps == 12.5 and f"cached in {tmp_path / machine.CACHE_FILE}" in got.memory.source, bad
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("WASTE_CACHE_DIR", str(blocked))  # a file where the cache directory would be
+    got = bandwidths(disk_file=blocked, disk_gbps=1.0)
+    assert got.memory.gbps == 12.5 and "not cached" in got.memory.source and "cached in" not in got.memory.source
+
+
 def test_measured_scale_point_sits_beside_waste_plans_prediction(q4: Path, tmp_path: Path) -> None:
     """A bench/scale.py result (its shape) on the memory_planning plot: the measured run at the
     RAM it planned with, and what `waste plan` (predict_run) predicts for that RAM."""

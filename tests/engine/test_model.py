@@ -1,5 +1,7 @@
 """The engine against the float64 oracle on tiny containers, prefill/decode consistency, bad input."""
 
+import warnings
+
 import numba
 import numpy as np
 import pytest
@@ -288,3 +290,15 @@ def test_prefill_dedup_ratio_counts_prefill_passes_only(containers, capsys):
         assert main(["run", str(path), "--prompt-ids", "5,6,7,8,9,10,11,12,13,14", "--max-new", new]) == 0
         printed.append([line for line in capsys.readouterr().out.splitlines() if "dedup ratio" in line])
     assert printed[0] == printed[1] and len(printed[0]) == 1
+
+
+def test_a_tiny_temperature_samples_the_largest_logits():
+    """A positive temperature small enough that logits / T overflows still samples, among the
+    largest logits only (it once turned every logit into inf and the probabilities into NaN)."""
+    logits = np.array([0.5, 2.0, -1.0, 2.0, 1.9], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for temperature in (1e-310, 5e-324, 1e-30):
+            sampler = Sampler(temperature, seed=3)
+            picks = {sampler(logits) for _ in range(40)}
+            assert picks == {1, 3}, (temperature, picks)

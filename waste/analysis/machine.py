@@ -19,8 +19,10 @@ MIN_CACHED_DISK_SAMPLE (a small container) is used for that plan only and never 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
+import math
 import mmap
 import os
 import time
@@ -31,6 +33,7 @@ from typing import Any
 from waste.env import user_cache_home
 from waste.errors import WasteError
 from waste.fileio import write_atomic
+from waste.units import MAX_GBPS
 
 DISK_SAMPLE_BYTES = 1 << 30
 DISK_BLOCK = 8 << 20
@@ -41,6 +44,8 @@ MEMORY_SAMPLE_BYTES = 1 << 30
 CACHE_FILE = "machine.json"
 # The cache's key for the memory figure; a cache from before it held a copy's speed under "memory".
 MEMORY_KEY = "memory_read"
+# Stands in a fresh measurement's source until the cache is written (`bandwidths`).
+CACHE_NOTE = "<cache>"
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,15 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(path: Path, data: dict[str, Any]) -> None:
+def _write_cache(path: Path, data: dict[str, Any]) -> str:
+    """Write the cache; where a measurement now lives, for its source line. A cache that cannot be
+    written only means measuring again next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda f: f.write(json.dumps(data, indent=1).encode()))
-    except OSError:
-        pass  # a cache that cannot be written only means measuring again next time
+    except OSError as e:
+        return f"not cached: {path}: {e.strerror}"
+    return f"cached in {path}"
 
 
 def _device_key(path: Path) -> str:
@@ -90,7 +98,8 @@ def _device_key(path: Path) -> str:
 
 
 def _cached(entry: Any, where: Path) -> Bandwidth | None:
-    if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
+    gbps = entry.get("gbps") if isinstance(entry, dict) else None
+    if isinstance(gbps, (int, float)) and math.isfinite(gbps) and 0 < gbps <= MAX_GBPS:
         return Bandwidth(float(entry["gbps"]), f"measured {entry.get('when', '?')}: {entry.get('what', '?')}; "
                                                f"cached in {where}")
     return None
@@ -173,7 +182,7 @@ def bandwidths(*, disk_file: Path, disk_gbps: float | None = None, mem_gbps: flo
             what = f"{m['bytes'] / 1e9:.2f} GB of {disk_file} read sequentially, {m['io_mode']}, device {key}"
             if m["bytes"] >= MIN_CACHED_DISK_SAMPLE:
                 disks[key] = {"gbps": m["gbps"], "when": when, "what": what}
-                cached, changed = Bandwidth(m["gbps"], f"measured now: {what}; cached in {path}"), True
+                cached, changed = Bandwidth(m["gbps"], f"measured now: {what}; {CACHE_NOTE}"), True
             else:
                 cached = Bandwidth(m["gbps"], f"measured now: {what}; too short a read to cache or trust")
         disk = cached
@@ -187,8 +196,9 @@ def bandwidths(*, disk_file: Path, disk_gbps: float | None = None, mem_gbps: flo
             m = measure_memory(MEMORY_SAMPLE_BYTES)
             what = f"best of 3 q8g matvecs reading {m['bytes'] >> 20} MiB on {num_threads()} threads"
             cache[MEMORY_KEY] = {"gbps": m["gbps"], "when": when, "what": what}
-            cached, changed = Bandwidth(m["gbps"], f"measured now: {what}; cached in {path}"), True
+            cached, changed = Bandwidth(m["gbps"], f"measured now: {what}; {CACHE_NOTE}"), True
         memory = cached
     if changed:
-        _write_cache(path, {**cache, "disks": disks})
+        note = _write_cache(path, {**cache, "disks": disks})
+        disk, memory = (dataclasses.replace(b, source=b.source.replace(CACHE_NOTE, note)) for b in (disk, memory))
     return Bandwidths(disk, memory)

@@ -255,7 +255,7 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: 
     with ContainerWriter(out, cfg, quant, trunk, experts=experts, force=force,
                          extra={"source": source}) as w, \
             tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {quant}", file=sys.stderr,
-                 disable=not progress, leave=False) as bar:
+                 disable=None if progress else True, leave=False) as bar:  # None: a terminal only
         for path, items in by_file.items():
             with open(path, "rb") as f:
                 for name, t in sorted(items, key=lambda it: it[1].start):

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from waste.container.format import ContainerError
 from waste.container.reader import Container, open_container
 from waste.container.verify import verify_files
+from waste.tokenizer import tokenizer_problems
 from waste.units import human_bytes
 
 
@@ -81,7 +82,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr, disable=None,
                   leave=False) as bar:
             report = verify_files(c, bar.update)
-    problems = report.problems
+        problems = report.problems + tokenizer_problems(c)
     if problems:
         for p in problems[1:]:
             print(f"waste: {p}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -162,8 +163,8 @@ def cmd_run(args: Any) -> int:
         except OSError as e:
             failures.append(f"{flag} {path}: {e.strerror or e}")
     print("generated:", ",".join(str(t) for t in run.generated))
-    print(f"prefill: {run.prompt_len} tokens in {run.prefill_seconds:.3f} s ({run.prefill_tps:.1f} tok/s); "
-          f"decode: {len(run.generated)} tokens in {run.decode_seconds:.3f} s ({run.decode_tps:.1f} tok/s)")
+    print(f"prefill: {run.prompt_len} tokens in {run.prefill_seconds:.3f} s ({_speed(run.prefill_tps)}); "
+          f"decode: {len(run.generated)} tokens in {run.decode_seconds:.3f} s ({_speed(run.decode_tps)})")
     if run.prefill_compile_seconds or run.decode_compile_seconds:
         print(f"of these, compiling kernels: {run.prefill_compile_seconds:.1f} s of the prefill, "
               f"{run.decode_compile_seconds:.1f} s of the decode (their first use since waste was installed or "
@@ -190,6 +191,11 @@ def cmd_run(args: Any) -> int:
     if failures:
         raise WasteError("; ".join(failures))
     return 0
+
+
+def _speed(tokens_per_second: float) -> str:
+    """A speed for the stats line; "-" when no token was timed (--max-new 0, a resumed empty prompt)."""
+    return f"{tokens_per_second:.1f} tok/s" if math.isfinite(tokens_per_second) else "- tok/s"
 
 
 def cmd_check(args: Any) -> int:

@@ -25,8 +25,12 @@ class Sampler:
         """One token id from logits [vocab]."""
         if self.temperature == 0.0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / self.temperature
-        p = np.exp(z - z.max())
+        # Shifted before the division: a tiny temperature sends every logit below the largest to
+        # -inf (weight 0) instead of all of them to inf (inf - inf = NaN).
+        shifted = logits.astype(np.float64)
+        shifted -= shifted.max()
+        with np.errstate(over="ignore"):
+            p = np.exp(shifted / self.temperature)
         p /= p.sum()
         if self.top_p < 1.0:
             order = np.argsort(-p, kind="stable")
