@@ -86,6 +86,9 @@ def test_stdout_on_a_full_device() -> None:
     ["check", "C", "--prompt-len", "0"],
     ["plan", "tiny", "--ram", "5iB"],
     ["plan", "tiny", "--context", "0"],
+    ["run", "C", "--prompt-ids", "1", "--max-new", "1", "--expert-cache", "mmap", "--cache-policy", "lfu"],
+    ["run", "C", "--prompt-ids", "1", "--max-new", "1", "--expert-cache", "mmap", "--read-threads", "8"],
+    ["run", "C", "--prompt-ids", "1", "--max-new", "1", "--expert-cache", "mmap", "--expert-io", "buffered"],
     ["plan", "C", "--context", "0", "--ram", "1G", "--disk-gbps", "1", "--mem-gbps", "1"],
     ["plan", "C", "--ram", "1G", "--disk-gbps", "1e308", "--mem-gbps", "1"],
     ["plan", "C", "--ram", "1G", "--disk-gbps", "inf", "--mem-gbps", "1"],
@@ -204,3 +207,19 @@ def test_demo_keeps_out_of_a_directory_it_did_not_make(capsys: pytest.CaptureFix
         assert (fresh / DEMO_MARK).is_file()
     _claim_work_dir(work, force=True)
     assert (work / DEMO_MARK).is_file()
+
+
+def test_a_full_device_names_the_output(capsys: pytest.CaptureFixture[str], container: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails for want of space names the output it was writing (a container's write
+    carries no file name of its own), and leaves nothing behind."""
+    import waste.container.writer
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(waste.container.writer.os, "pwrite", full)
+    out = tmp_path / "x.waste"
+    err = one_line_error(capsys, ["synth", "tiny", str(out), "--quant", "q4", "--quiet"])
+    assert err == f"waste: error: {out}: cannot write the container: No space left on device"
+    assert list(tmp_path.iterdir()) == []

@@ -122,12 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a container in this scheme directly (no checkpoint; float32 values)")
     s.add_argument("--quiet", action="store_true", help="no progress bar (with --quant)")
     s.add_argument("--seed", type=SEED, default=0)
-    s.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    s.add_argument("--dtype", choices=("bf16", "f32"), default=None, help="checkpoint values (default bf16)")
     s.add_argument("--expert-format", choices=("mxfp4", "bf16", "f32"), default=None,
                    help="routed experts: MXFP4 (the default for K3, as it ships) or a float dtype (default --dtype)")
-    s.add_argument("--attn-res-spelling", choices=("canonical", "dotted"), default="canonical",
+    s.add_argument("--attn-res-spelling", choices=("canonical", "dotted"), default=None,
                    help="K3 AttnRes names: <x>_res_norm.weight (canonical) or <x>_res.norm_weight (dotted)")
-    s.add_argument("--shard-size", default="512M", help="largest shard before a new one starts (default 512M)")
+    s.add_argument("--shard-size", default=None, help="largest shard before a new one starts (default 512M)")
     s.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
 
     s = command("convert", help="convert a Hugging Face checkpoint into a NAME.waste container")
@@ -168,9 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="byte budget of the streaming expert cache (0 disables), e.g. 2G, or 'mmap' for the memory "
                         "map; default: the memory map when every expert fits in the available RAM, else streaming "
                         "with the room the planner leaves")
-    s.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
-    s.add_argument("--read-threads", type=_int(1, 256), default=4)
-    s.add_argument("--expert-io", choices=IO_MODES, default=DEFAULT_IO,
+    # The streaming store's options; None (not given) takes the store's defaults.
+    s.add_argument("--cache-policy", choices=("lru", "lfu"), default=None, help="the streaming cache's (default lru)")
+    s.add_argument("--read-threads", type=_int(1, 256), default=None, help="the streaming store's (default 4)")
+    s.add_argument("--expert-io", choices=IO_MODES, default=None,
                    help="how the streaming store reads experts: into the page cache (views of the map), with "
                         f"O_DIRECT into buffers of its own, or buffered into them (default {DEFAULT_IO})")
     s.add_argument("--trace-out", help="write the routing trace to this .npz")

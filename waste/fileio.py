@@ -32,11 +32,25 @@ NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
 ZIP_MAGIC = b"PK\x03\x04"  # .npz archives (sessions, traces)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask would, for every thread at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call write(f) on a temporary file beside `path`, fsync it, then rename it over `path`."""
+    """Call write(f) on a temporary file beside `path`, fsync it, then rename it over `path`. The
+    file gets the mode a plain open would give it (mkstemp's is 0600, whatever the umask)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -166,7 +180,9 @@ def recover_stale(out: Path) -> None:
 
 def temp_dir_for(out: Path) -> Path:
     """A fresh hidden working directory beside `out` (`.NAME.tmp-PID-RANDOM`: unique per writer)."""
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # installed as the output: the mode mkdir would give, not mkdtemp's 0700
+    return tmp
 
 
 # The steps of `install_dir`, named so a test can make one fail.

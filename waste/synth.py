@@ -251,11 +251,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
         return cmd_synth_container(args)
     shard_bytes = parse_size(getattr(args, "shard_size", None) or "512M", "shard size")
-    out = synthesize(args.preset, args.out_dir, seed=args.seed, dtype=args.dtype, shard_bytes=shard_bytes,
+    dtype = getattr(args, "dtype", None) or "bf16"
+    out = synthesize(args.preset, args.out_dir, seed=args.seed, dtype=dtype, shard_bytes=shard_bytes,
                      force=args.force, expert_format=getattr(args, "expert_format", None),
                      attn_res_spelling=getattr(args, "attn_res_spelling", None) or "canonical")
     index = json.loads((out / INDEX).read_text())
     n_shards = len(set(index["weight_map"].values()))
     print(f"{out}: {len(index['weight_map'])} tensors, {human_bytes(index['metadata']['total_size'])} "
-          f"in {n_shards} shard(s), {args.dtype}, seed {args.seed}")
+          f"in {n_shards} shard(s), {dtype}, seed {args.seed}")
     return 0

@@ -97,9 +97,12 @@ def cmd_synth_container(args: argparse.Namespace) -> int:
     """`waste synth PRESET OUT.waste --quant f32|q8|q4|q4all [--seed S] [--force] [--quiet]`."""
     from waste.container.reader import open_container
 
-    if args.dtype != "bf16" or getattr(args, "shard_size", None) not in (None, "512M"):
-        raise WasteError("--dtype and --shard-size describe a checkpoint; with --quant the values are float32 "
-                         "and go straight into the container")
+    given = [flag for flag, key in (("--dtype", "dtype"), ("--shard-size", "shard_size"),
+                                    ("--expert-format", "expert_format"), ("--attn-res-spelling", "attn_res_spelling"))
+             if getattr(args, key, None) is not None]
+    if given:
+        raise WasteError(f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} a checkpoint; with --quant the "
+                         "values are float32 and go straight into the container, its experts stored as --quant says")
     t0 = time.perf_counter()
     out = synthesize_container(args.preset, args.out_dir, quant=args.quant, seed=args.seed, force=args.force,
                                progress=not getattr(args, "quiet", False))

@@ -57,7 +57,10 @@ def test_cli_writes_a_container(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "scheme q4" in capsys.readouterr().out
     assert main(["verify", str(out)]) == 0
     assert main(["synth", "tiny", str(out), "--quant", "q4"]) == 2  # exists, no --force
-    assert main(["synth", "tiny", str(tmp_path / "x.waste"), "--quant", "q4", "--dtype", "f32"]) == 2
+    for flags in (["--dtype", "f32"], ["--dtype", "bf16"], ["--expert-format", "mxfp4"], ["--shard-size", "512M"],
+                  ["--attn-res-spelling", "dotted"]):
+        assert main(["synth", "tiny", str(tmp_path / "x.waste"), "--quant", "q4", *flags]) == 2
+        assert f"{flags[0]} describes a checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "x.waste").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 

@@ -189,3 +189,5 @@ class ContainerWriter:
                  tb: TracebackType | None) -> None:
         if exc_type is not None:
             self.abort()
+            if isinstance(exc, OSError) and exc.filename is None:  # a write's: name the container, not just ENOSPC
+                raise WasteError(f"{self.out}: cannot write the container: {exc.strerror or exc}") from None

@@ -50,9 +50,18 @@ def _prompt(args: Any) -> list[int]:
     return []
 
 
+class _PlainWriter:
+    """A file seen only through its write(): np.save then writes in chunks with it, and a full
+    device raises OSError(ENOSPC) naming its reason, instead of ndarray.tofile's bare "N requested
+    and M written"."""
+
+    def __init__(self, f: Any):
+        self.write = f.write
+
+
 def save_npy_atomic(path: str | Path, array: np.ndarray) -> None:
     """np.save to a temporary name, then rename into place."""
-    write_atomic(path, lambda f: np.save(f, array))
+    write_atomic(path, lambda f: np.save(_PlainWriter(f), array))
 
 
 def _output_paths(args: Any) -> list[tuple[str, Path]]:
@@ -88,6 +97,11 @@ def cmd_run(args: Any) -> int:
     from waste.engine.trace import TraceRecorder
     from waste.tokenizer import require_tokenizer
 
+    streaming_options = {"--cache-policy": args.cache_policy, "--read-threads": args.read_threads,
+                         "--expert-io": args.expert_io}
+    given = [flag for flag, value in streaming_options.items() if value is not None]
+    if args.expert_cache == "mmap" and given:
+        raise WasteError(f"{', '.join(given)}: options of the streaming store, which --expert-cache mmap does not use")
     budget = None if args.expert_cache in (None, "mmap") else parse_size(args.expert_cache, "--expert-cache")
     prefill_budget = budget
     outputs = dict(_output_paths(args))
@@ -118,7 +132,9 @@ def cmd_run(args: Any) -> int:
             # The one line saying why the run streams (stdout may carry the generated text);
             # when every expert fits, the memory-mapped store needs no word.
             print(memory.describe(), file=sys.stderr)
-    store = open_expert_store(container, budget, args.cache_policy, args.read_threads, args.expert_io, prefill_budget)
+    chosen = {"policy": args.cache_policy, "read_threads": args.read_threads, "io": args.expert_io}
+    store = open_expert_store(container, budget, prefill_budget_bytes=prefill_budget,
+                              **{k: v for k, v in chosen.items() if v is not None})
     if model is None:
         model = Model(container, store=store, router_weights=args.router_weights)
     else:
