@@ -36,7 +36,8 @@ def _absorb(q: np.ndarray, w_uk: np.ndarray) -> np.ndarray:
     return np.concatenate([q_lat, q[..., NOPE:]], axis=-1).astype(np.float32)
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 130])
+# 257, 300, 2100: contexts the decode splits into two, two and eight token ranges summed at the end.
+@pytest.mark.parametrize("n", [1, 2, 7, 130, 257, 300, 2100])
 def test_decode_matches_non_absorbed(n: int) -> None:
     rng = np.random.default_rng(10 + n)
     latent, kv_b, w_uk, w_uv = _problem(rng, n, n + 5)
@@ -129,12 +130,12 @@ def test_bad_arguments_raise() -> None:
         mla_decode(q, latent.astype(np.float64), 2, 1.0, R)
 
 
-@pytest.mark.parametrize("heads", [4, 6, 32])
-def test_decode_head_groups(heads: int) -> None:
+@pytest.mark.parametrize(("heads", "n"), [(4, 37), (6, 37), (32, 37), (6, 600)])
+def test_decode_head_groups(heads: int, n: int) -> None:
     """The decode kernel scores heads four at a time: whole groups and a remainder, against
-    latent-space attention in float64."""
-    rng = np.random.default_rng(heads)
-    n, D = 37, R + ROPE
+    latent-space attention in float64 (over one token range, and over three)."""
+    rng = np.random.default_rng(heads + n)
+    D = R + ROPE
     latent = rng.standard_normal((n + 2, D)).astype(np.float32)
     latent[n:] = np.nan  # rows past the length must not be read
     q = rng.standard_normal((heads, D)).astype(np.float32)

@@ -118,6 +118,21 @@ def test_router_logits_are_float32_products() -> None:
     np.testing.assert_array_equal(router_logits(x[1:2], w), got[1:2])
 
 
+def test_a_prefills_router_logits_on_all_cores_are_each_tokens_own() -> None:
+    """Past PARALLEL_ROUTER_WORK products the tokens' rows run on all cores: every row as close to
+    float64 as the serial path's, and the same bits as that token routed alone."""
+    from waste.kernels.routing import PARALLEL_ROUTER_WORK
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    assert x.shape[0] * w.size >= PARALLEL_ROUTER_WORK
+    got = router_logits(x, w)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+    alone = np.concatenate([router_logits(x[t:t + 1], w) for t in range(x.shape[0])])
+    np.testing.assert_array_equal(got, alone)
+
+
 def test_route_rejects_bad_arguments() -> None:
     logits = np.zeros((2, 8), np.float32)
     bias = np.zeros(8, np.float32)
