@@ -7,7 +7,7 @@ use every core. A ratio is only reported between a kernel and a baseline run at 
 thread count: `thread_counts()` gives (1, all cores) and `at_threads(n)` sets both Numba's
 and BLAS's threads for the timings inside it. A product timed over and over on one matrix
 keeps its weights in the last-level cache; `rotation(make, nbytes)` builds enough copies to
-exceed it (twice `l3_bytes()`), and `cycle(calls)` steps through them, one per call.
+exceed it (`rotation_bytes()`), and `cycle(calls)` steps through them, one per call.
 
 The benchmarks import this as `common` (they run as scripts, so bench/ is on sys.path).
 """
@@ -197,11 +197,23 @@ def l3_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+# A guest's sysfs gives one cache slice, not what the process gets of the host's: an AMD EPYC
+# guest reporting 32 MiB read 64 MiB at 54 GB/s and 128 MiB at 42 GB/s, against 37 GB/s from
+# 256 MiB up (bench/memory.py), so a working set of twice the reported size was half served
+# from cache. The floor is where that curve had flattened.
+ROTATION_FLOOR_BYTES = 256 << 20
+
+
+def rotation_bytes() -> int:
+    """Bytes a rotation spans: four times the reported last-level cache, and at least the floor."""
+    return max(4 * l3_bytes(), ROTATION_FLOOR_BYTES)
+
+
 def rotation(make: Callable[[int], Any], nbytes: int) -> list[Any]:
-    """Copies make(0), make(1), ... of an operand of `nbytes` each, together more than twice the
-    last-level cache, so that stepping through them reads each from memory, not from cache
+    """Copies make(0), make(1), ... of an operand of `nbytes` each, together more than
+    `rotation_bytes()`, so that stepping through them reads each from memory, not from cache
     (one copy when one alone is that large)."""
-    return [make(i) for i in range(max(1, -(-2 * l3_bytes() // max(1, nbytes))))]
+    return [make(i) for i in range(max(1, -(-rotation_bytes() // max(1, nbytes))))]
 
 
 def cycle(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:

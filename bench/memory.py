@@ -9,7 +9,7 @@ what it reads, against the copy that bench/peer.py holds the q4 decode to (issue
   same thread counts, and each read against it;
 - the one-token q4g and q8g products streaming their weights from memory: a batch of
   4096 x 2048 matrices (16 MiB of q4g codes a call), stepping through copies that together
-  exceed twice the last-level cache (`common.rotation`), at the same thread counts.
+  exceed the last-level cache and its floor (`common.rotation`), at the same thread counts.
 
 A decode step only reads its weights. Where the read of a buffer larger than the cache share
 stays below 85% of the copy, a decode of a model larger than that share cannot reach 85% of
@@ -51,7 +51,7 @@ def read_curve(threads: tuple[int, ...], rounds: int) -> list[dict[str, Any]]:
 
 def product_streams(threads: tuple[int, ...], rounds: int) -> list[dict[str, Any]]:
     """GB/s of weights the one-token q products stream from memory (median call of `rounds`
-    passes over a rotation larger than twice the last-level cache)."""
+    passes over a rotation larger than the last-level cache, `common.rotation_bytes()`)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal(PRODUCT_SHAPE).astype(np.float32)
     x = rng.standard_normal((1, PRODUCT_SHAPE[1])).astype(np.float32)

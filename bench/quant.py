@@ -5,9 +5,10 @@ chunk), the weight bytes streamed per call over the time, and the speed ratio ag
 float32 product on the same shape in the same run (> 1 is faster). Every ratio is taken at
 equal thread counts, 1 thread against 1 thread and all cores against all cores (NumPy's BLAS
 under threadpoolctl, the kernels under numba.set_num_threads; bench/common.py), shown side
-by side. Each product steps through copies of its matrix that together exceed twice the
-last-level cache, so every call reads its weights from memory (the decode case: a model's
-weights do not stay in cache between tokens). Timings are the best of many short interleaved
+by side. Each product steps through copies of its matrix that together exceed the
+last-level cache (four times what sysfs reports, and at least 256 MiB: common.rotation), so
+every call reads its weights from memory (the decode case: a model's weights do not stay in
+cache between tokens). Timings are the best of many short interleaved
 bursts (the machine is shared).
 
 Then the weight quantiser (`quantize`, q8g and q4g) in ns per weight on one float32 matrix,
@@ -381,7 +382,7 @@ def _k3_matrix(fmt: str, n: int, k: int, rng: np.random.Generator) -> qk.QMatrix
 def measure_k3_experts(rounds: int) -> dict[str, object]:
     """MXFP4 against f32 and Q4G on K3's routed-expert shapes: matvec and 32-token matmul.
 
-    Each format steps through distinct matrices together more than twice the last-level cache
+    Each format steps through distinct matrices together more than the last-level cache
     (common.rotation), so every call streams its weights from memory, as an expert not used for
     a while does. All formats run in the same rounds at the same thread count (one, then all;
     common.at_threads). Reported per format: time, GB/s of stored weight bytes, speed against
