@@ -1,6 +1,6 @@
 """What a decode step pays outside its kernels' arithmetic: with warm caches, and with the caches
-emptied the way a step's weights empty them (a buffer of COLD_BYTES, more than the last-level
-cache, streamed before each call; a `mini` q4 step reads 112.6 MB of weights).
+emptied the way a step's weights empty them (a buffer of COLD_BYTES, about what a `mini` q4
+step reads, 112.6 MB of weights, streamed before each call).
 
 - Numba's dispatch of a call with 33 array arguments (a MoE layer's decode step takes 21 arrays
   and 12 scalars, a KDA layer's about 30 arrays) and of a call with one;
@@ -37,7 +37,9 @@ from waste.engine.residual import PlainResidual
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels.norm import rms_norm
 
-COLD_BYTES = 48 << 20  # streamed before each cold call: more than this machine's 32 MiB L3
+# Streamed before each cold call: a step's weights, not the sysfs L3 (32 MiB on guests whose
+# process still read 64 MiB at cache speed, bench/memory.py).
+COLD_BYTES = 128 << 20
 
 
 @kernel
