@@ -28,16 +28,20 @@ def _module_path(module: str) -> Path | None:
     return None
 
 
-def _waste_imports(path: Path) -> set[str]:
-    """Every waste.* module a file imports anywhere in its body (`from waste.x import y` also
-    names waste.x.y, which may be a module)."""
+def _waste_imports(path: Path, package_root: Path = PACKAGE) -> set[str]:
+    """Every waste.* module a file under `package_root` imports anywhere in its body, relative
+    imports resolved (`from waste.x import y` and `from .x import y` also name waste.x.y, which
+    may be a module)."""
     names: set[str] = set()
+    package = list(path.relative_to(package_root.parent).parent.parts)  # the file's own package
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
     return {n for n in names if n == "waste" or n.startswith("waste.")}
 
 
@@ -71,3 +75,12 @@ def test_the_scan_sees_imports() -> None:
     # The scan itself must be able to fail: the engine's model imports the kernels.
     reached = _reachable([PACKAGE / "engine" / "model.py"])
     assert any(name.startswith("waste.kernels") for name in reached)
+
+
+def test_the_scan_resolves_relative_imports(tmp_path: Path) -> None:
+    # `from ..kernels import kda` in waste/reference/ must count as waste.kernels.kda.
+    (tmp_path / "waste" / "reference").mkdir(parents=True)
+    bad = tmp_path / "waste" / "reference" / "bad.py"
+    bad.write_text("from ..kernels import kda\nfrom . import quant\nfrom .kda import step\n")
+    names = _waste_imports(bad, tmp_path / "waste")
+    assert {"waste.kernels", "waste.kernels.kda", "waste.reference.quant", "waste.reference.kda.step"} <= names
