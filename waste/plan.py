@@ -364,12 +364,29 @@ def run_prediction(plan: Plan, args: Any) -> Any:
                              f"{list(trace.moe_layers)})")
     rates = bandwidths(disk_file=target / EXPERTS, disk_gbps=args.disk_gbps, mem_gbps=args.mem_gbps,
                        measure=args.measure)
+    trace_name = str(args.trace)
     with open_container(target) as container:
+        if trace is not None:
+            trace_name += _trace_origin(trace.metadata, container.manifest_sha256)
         model, runtime = measure_runtime(container, chunk=DEFAULT_PREFILL_CHUNK)
         compute = measure_decode_compute(model)
         del model
-    return predict_run(plan, plan.ram, rates, runtime=runtime, trace=trace, trace_name=str(args.trace),
+    return predict_run(plan, plan.ram, rates, runtime=runtime, trace=trace, trace_name=trace_name,
                        compute=compute)
+
+
+def _trace_origin(metadata: dict[str, Any], container_sha256: str) -> str:
+    """What the prediction says of a trace's origin when it is not this container: a trace of
+    another model of the same shape replays that model's routing, which a user may want (a
+    sibling conversion) or not (another seed), so the prediction names it."""
+    if metadata.get("synthetic"):
+        return " (synthetic)"
+    recorded = metadata.get("container_sha256")
+    if recorded is None:
+        return " (recorded without naming its container)"
+    if recorded != container_sha256:
+        return f" (recorded on another container, {metadata.get('container', '?')}: that model's routing)"
+    return ""
 
 
 def cmd_plan(args: Any) -> int:

@@ -14,8 +14,9 @@ from waste.analysis.budget import decode_speed_bound, predict_run, prefill_speed
 from waste.analysis.cache_sim import simulate
 from waste.analysis.machine import Bandwidth, Bandwidths, bandwidths
 from waste.cli import main
+from waste.container import open_container
 from waste.engine.trace import load
-from waste.plan import make_plan
+from waste.plan import _trace_origin, make_plan
 from waste.testing import tiny_container
 
 RATES = Bandwidths(Bandwidth(2.0, "given"), Bandwidth(10.0, "given"))
@@ -127,6 +128,17 @@ def test_trace_gives_the_hit_rate(q4: Path, tmp_path: Path, capsys: pytest.Captu
     assert p.hit_rate == sim.hit[decode].mean() and "routing trace t.npz" in p.hit_rate_source
     assert main(["plan", "tiny", "--trace", str(trace_path)]) == 2
     assert "needs a container and --ram" in capsys.readouterr().err
+    with open_container(q4) as container:
+        assert trace.metadata == {"container": str(q4), "container_sha256": container.manifest_sha256}
+        assert _trace_origin(trace.metadata, container.manifest_sha256) == ""
+
+
+def test_a_trace_of_another_model_is_named_so() -> None:
+    recorded = {"container": "/m/other.waste", "container_sha256": "ab" * 32}
+    assert (_trace_origin(recorded, "cd" * 32)
+            == " (recorded on another container, /m/other.waste: that model's routing)")
+    assert _trace_origin({}, "cd" * 32) == " (recorded without naming its container)"
+    assert _trace_origin({"synthetic": True, "skew": 1.0}, "cd" * 32) == " (synthetic)"
 
 
 def test_bandwidths_measured_once_then_cached(q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

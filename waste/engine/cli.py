@@ -158,7 +158,10 @@ def cmd_run(args: Any) -> int:
     if needed > cfg.max_position_embeddings:
         raise WasteError(f"context of {needed} tokens (session {session.position} + prompt {len(prompt)} + "
                          f"--max-new {args.max_new}) exceeds the model's capacity of {cfg.max_position_embeddings}")
-    recorder = TraceRecorder(cfg.num_layers, cfg.moe_layers, cfg.num_experts_per_token) if args.trace_out else None
+    # The container named in the trace, so that `waste plan --trace` can tell another model's routing.
+    recorder = TraceRecorder(cfg.num_layers, cfg.moe_layers, cfg.num_experts_per_token,
+                             metadata={"container": str(container.path),
+                                       "container_sha256": container.manifest_sha256}) if args.trace_out else None
     on_token, finish = text_printer(tokenizer, sys.stdout) if tokenizer else (None, None)
     run = generate(model, session, prompt, args.max_new, sampler, chunk=chunk, observer=recorder,
                    all_prompt_logits=bool(args.logits_out), on_token=on_token)
