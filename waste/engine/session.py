@@ -16,6 +16,7 @@ import json
 import math
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,13 +121,24 @@ def read_session_file(path: str | Path) -> tuple[dict[str, Any], dict[str, np.nd
     """Read and check a session file: (meta, arrays). Damage is a WasteError naming the file."""
     path = Path(path)
     try:
-        with _open_regular(path) as f, np.load(f, allow_pickle=False) as z:
-            arrays = {name: z[name] for name in z.files}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        with _open_regular(path) as f:
+            loaded = np.load(f, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise WasteError(f"session file {path}: not a waste session (a single .npy array)")
+            with loaded as z:
+                arrays = {name: z[name] for name in z.files}
+    except OSError as e:
+        raise WasteError(f"session file {path}: cannot read ({e.strerror or e})") from None
+    # What zipfile raises for archives a session never is: damaged (BadZipFile, zlib.error, EOFError),
+    # encrypted (RuntimeError) or compressed by a method it lacks (NotImplementedError).
+    except (zipfile.BadZipFile, zlib.error, ValueError, EOFError, KeyError, RuntimeError, NotImplementedError) as e:
         raise WasteError(f"session file {path}: damaged or not a session ({type(e).__name__})") from None
+    # np.load hands out a member that is not an .npy array as its raw bytes
+    if not all(isinstance(a, np.ndarray) for a in arrays.values()):
+        raise WasteError(f"session file {path}: damaged or not a session (a member is not an array)")
     try:
         meta = json.loads(arrays.pop("meta").tobytes().decode())
-    except (KeyError, UnicodeDecodeError, json.JSONDecodeError):
+    except (KeyError, ValueError, RecursionError):
         raise WasteError(f"session file {path}: missing or unreadable metadata") from None
     if not isinstance(meta, dict) or meta.get("magic") != SESSION_MAGIC:
         raise WasteError(f"session file {path}: not a waste session")
@@ -146,8 +158,14 @@ def _fail(path: str | Path, what: str) -> WasteError:
     return WasteError(f"session file {path}: {what}")
 
 
+def _uint(value: Any, bits: int) -> bool:
+    """Whether `value` is an int (bool included) that fits in `bits` unsigned bits, as NumPy's PCG64 takes it."""
+    return isinstance(value, int) and 0 <= value < 1 << bits
+
+
 def _check_sampler_state(state: Any, path: str | Path) -> None:
-    """A saved sampler state: finite temperature >= 0, top_p in (0, 1], a PCG64 state of integers."""
+    """A saved sampler state: finite temperature >= 0, top_p in (0, 1], a PCG64 state of integers
+    in the ranges NumPy takes (128-bit state and increment, a 0/1 flag, a 32-bit buffered value)."""
     if state is None:
         return
     ok = isinstance(state, dict) and set(state) == {"temperature", "top_p", "rng"}
@@ -156,8 +174,8 @@ def _check_sampler_state(state: Any, path: str | Path) -> None:
         ok = (all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (t, p))
               and t >= 0 and 0 < p <= 1 and isinstance(rng, dict) and rng.get("bit_generator") == "PCG64"
               and isinstance(rng.get("state"), dict)
-              and all(isinstance(rng["state"].get(k), int) for k in ("state", "inc"))
-              and isinstance(rng.get("has_uint32"), int) and isinstance(rng.get("uinteger"), int))
+              and all(_uint(rng["state"].get(k), 128) for k in ("state", "inc"))
+              and _uint(rng.get("has_uint32"), 1) and _uint(rng.get("uinteger"), 32))
     if not ok:
         raise _fail(path, "sampler_state is malformed")
 
