@@ -4,7 +4,7 @@ positional reads into buffers (`pread_into`).
 Every output is written to a temporary name beside its destination and renamed into place
 (`write_atomic` for files, `install_dir` for a container or checkpoint directory), so a
 reader sees the old content or the new, never a mix, and a killed run leaves at most a
-hidden `.NAME.tmp-PID` behind, which the next run to the same destination removes.
+hidden `.NAME.tmp-PID[-RANDOM]` behind, which the next write to the same destination removes.
 
 `check_output(path, kind, force)` is the overwrite policy, applied before any work starts:
 a new path is always fine; an existing file is replaced only with `--force`, or when it
@@ -45,10 +45,13 @@ def _umask() -> int:
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call write(f) on a temporary file beside `path`, fsync it, then rename it over `path`. The
-    file gets the mode a plain open would give it (mkstemp's is 0600, whatever the umask)."""
+    """Call write(f) on a temporary file beside `path` (`.NAME.tmp-PID-RANDOM`, which a later write
+    to `path` removes if this process is killed), fsync it, rename it over `path`, then fsync the
+    directory so the rename survives a crash. The file gets the mode a plain open would give it
+    (mkstemp's is 0600, whatever the umask)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    recover_stale(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
@@ -59,6 +62,21 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """fsync a directory, so that a rename in it is on disk; best effort (some file systems refuse)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class NotRegularFile(OSError):
