@@ -339,7 +339,7 @@ def run_prediction(plan: Plan, args: Any) -> Any:
     runtime and the disk are measured on a container) or without --ram.
 
     The runtime is measured as `waste run` measures it (`measure_runtime`: the model loaded and
-    two prompt tokens and one decoded token run through it, which costs a few seconds and the
+    a few tokens run through it with each kind of expert store, which costs a few seconds and the
     trunk in RAM), then a decode step's compute on the same model with its experts pooled
     (`waste.analysis.compute`: top-k + 1 experts a MoE layer read, a few more seconds); the
     bandwidths are given, cached or measured (`waste.analysis.machine`)."""

@@ -230,3 +230,44 @@ def test_planned_peak_agrees_with_the_measured_peak(q4) -> None:
         assert re.search(f"store {store},", done.stdout), done.stdout
         planned, peak = _memory_line(done.stdout)
         assert 0.9 * planned <= peak <= 1.1 * planned, (store, planned, peak, done.stdout, done.stderr)
+
+
+# Run in a process of its own (whatever this one has loaded would hide a miss): the warm-up, then
+# the Numba kernels of waste's modules and how many signatures each holds, then prompts of
+# several lengths and their decodes through both kinds of store; prints the kernels that gained one.
+_KERNELS_AFTER_THE_WARM_UP = """
+import sys
+import numba
+from waste.container.reader import open_container
+from waste.engine.experts import open_expert_store
+from waste.engine.memory import measure_runtime
+
+def kernels():
+    for name, module in list(sys.modules.items()):
+        if name.startswith("waste"):
+            for attr, value in vars(module).items():
+                if isinstance(value, numba.core.registry.CPUDispatcher):
+                    yield f"{name}.{attr}", value
+
+with open_container(sys.argv[1]) as c:
+    model, _ = measure_runtime(c, chunk=16)
+    before = {name: len(k.signatures) for name, k in kernels()}
+    for budget in (0, None):
+        model.store = open_expert_store(c, budget)
+        for tokens in (1, 2, 40):
+            session = model.new_session(tokens + 1)
+            model.prefill(session, list(range(3, 3 + tokens)), chunk=16, all_logits=False)
+            model.decode(session, 5)
+        model.store.close()
+    print(sorted(name for name, k in kernels() if len(k.signatures) > before.get(name, 0)))
+"""
+
+
+def test_the_warm_up_meets_every_kernel_a_run_uses(q4) -> None:
+    """measure_runtime's warm-up loads (or compiles) every kernel the run then uses, whichever
+    store the plan picks and however long the prompt: a kernel first met in the run would load
+    or compile beyond the planned runtime (on an empty Numba cache, 250 MiB on `tiny`)."""
+    done = subprocess.run([sys.executable, "-c", _KERNELS_AFTER_THE_WARM_UP, str(q4)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -417,13 +417,17 @@ class Container:
                                          f"{needed} is needed); another process changed the container")
 
     def decode_expert(self, layer: int, buf: np.ndarray) -> tuple[QMatrix, QMatrix, QMatrix]:
-        """(w1, w3, w2) as views over a blob read into `buf` (uint8, expert_blob_bytes long)."""
+        """(w1, w3, w2) as read-only views over a blob read into `buf` (uint8, expert_blob_bytes
+        long): read-only as the map's views are, so the kernels meet one type whichever store
+        handed the expert out (a writable one would load or compile a second variant of each)."""
         ex = self._manifest.experts
         if layer not in ex.layers:
             raise ContainerError(f"layer {layer} has no routed experts (MoE layers: {list(ex.layers)})")
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != ex.blob_bytes:
             raise ContainerError(f"expert blob buffer must be uint8 [{ex.blob_bytes}], got {buf.dtype} {buf.shape}")
-        return self._decode(buf, 0)
+        read_only = buf.view()
+        read_only.setflags(write=False)
+        return self._decode(read_only, 0)
 
     # -- sizes -----------------------------------------------------------------------------
     def byte_counts(self) -> dict[str, Any]:

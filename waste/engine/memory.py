@@ -1,8 +1,8 @@
 """How much RAM a run may use, and which expert store follows from it.
 
 `waste run` without `--expert-cache` plans its memory once the model is loaded and warmed up
-(`measure_runtime`: two prompt tokens and one decoded token through a store that caches
-nothing, so every kernel is loaded or compiled), before it picks the expert store:
+(`measure_runtime`: a few tokens through each kind of expert store, so every kernel the run
+will use is loaded or compiled), before it picks the expert store:
 
     budget = available RAM (MemAvailable plus the process's anonymous memory, or the cgroup's limit
              when lower) - headroom
@@ -215,25 +215,35 @@ def mla_weight_bytes(cfg: ModelConfig) -> int:
 
 
 def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbiased") -> tuple[Any, int]:
-    """(model, runtime bytes): the model over `container`, after two prompt tokens and one decoded
-    token went through it, which loads (or compiles) every kernel a run uses; and what the process
-    then holds beyond the plan's other terms: its RSS less the container's mapped pages and its
-    trunk's copy in memory (the trunk term counts those) and the MLA weights. That is the
-    interpreter, NumPy, Numba and LLVM, the compiled kernels, the threads' stacks and whatever
-    the model keeps besides.
-    The model's store caches nothing; give it the run's (`model.store = ...`)."""
-    from waste.engine.experts import StreamingExpertStore
+    """(model, runtime bytes): the model over `container`, after a warm-up that loads (or compiles)
+    every kernel a run uses; and what the process then holds beyond the plan's other terms: its
+    RSS less the container's mapped pages and its trunk's copy in memory (the trunk term counts
+    those) and the MLA weights. That is the interpreter, NumPy, Numba and LLVM, the compiled
+    kernels, the threads' stacks and whatever the model keeps besides.
+
+    The warm-up runs two prompt tokens, one decoded token and a one-token prompt through each
+    kind of expert store, one that streams and caches nothing and the memory map: the run picks
+    its store after this measurement, and their paths differ (fetched experts, or the map's MoE
+    step in one call; a one-token prompt runs one-token products), so a kernel the warm-up had
+    not met would be loaded or compiled beyond the plan (with an empty kernel cache on `tiny`,
+    250 MiB). The model's store is closed; give it the run's (`model.store = ...`)."""
+    from waste.engine.experts import MmapExpertStore, StreamingExpertStore
     from waste.engine.model import LayerTimes, Model
 
-    model = Model(container, store=StreamingExpertStore(container, 0, read_threads=1), router_weights=router_weights)
-    session = model.new_session(3)
-    try:
-        model.prefill(session, [0, 1], chunk=chunk, all_logits=False)
-        model.decode(session, 0)
-    except NonFiniteError as e:
-        raise NonFiniteError(f"{e} (in the warm-up on token ids 0, 1 before the prompt)") from None
-    finally:
-        model.store.close()
+    stores = (lambda: StreamingExpertStore(container, 0, read_threads=1), lambda: MmapExpertStore(container))
+    model = Model(container, store=stores[0](), router_weights=router_weights)
+    for i, make_store in enumerate(stores):
+        if i:
+            model.store = make_store()
+        session = model.new_session(4)
+        try:
+            model.prefill(session, [0, 1], chunk=chunk, all_logits=False)
+            model.decode(session, 0)
+            model.prefill(session, [1], chunk=chunk, all_logits=False)
+        except NonFiniteError as e:
+            raise NonFiniteError(f"{e} (in the warm-up on token ids 0, 1 before the prompt)") from None
+        finally:
+            model.store.close()
     model.times = LayerTimes()
     runtime = (current_rss() - mapped_rss(container.data_fds()) - container.trunk_in_memory
                - mla_weight_bytes(container.config))
