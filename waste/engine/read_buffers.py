@@ -17,6 +17,16 @@ import numpy as np
 from waste.errors import WasteError
 
 
+def _free_refs() -> int:
+    """References a free map holds while `SpareBuffers.take` looks at it, counted the way `take`
+    counts them: the deque's, the loop variable's and sys.getrefcount's own argument (3 on CPython
+    3.11-3.13). Measured rather than written down, because newer interpreters may count borrowed
+    references differently, and a figure too high would reuse a buffer still in use."""
+    maps = deque([mmap.mmap(-1, mmap.PAGESIZE)])
+    m = maps[0]
+    return sys.getrefcount(m)
+
+
 class SpareBuffers:
     """Evicted read buffers, reused for reads of the same size once unreferenced.
 
@@ -28,9 +38,7 @@ class SpareBuffers:
     `limit` the oldest is dropped (freed when its last user lets go).
     """
 
-    # References to a free map while `take` looks at it: the deque's, the loop variable's and
-    # sys.getrefcount's own argument.
-    FREE_REFS = 3
+    FREE_REFS = _free_refs()
 
     def __init__(self, limit: int):
         self.limit = limit
