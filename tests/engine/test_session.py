@@ -75,6 +75,8 @@ def test_damaged_and_foreign_sessions_are_refused(q8, tmp_path, capsys):
         (["run", str(q8), "--session-in", str(tmp_path / "short.session")], "damaged"),
         (["run", str(q8), "--session-in", str(tmp_path / "absent")], "no such file"),
         (["run", str(other), "--session-in", str(s)], "belongs to another container"),
+        (["run", str(q8), "--session-in", str(s), "--router-weights", "biased"],
+         "was run with --router-weights unbiased, this run has biased"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err

@@ -141,6 +141,7 @@ class Model:
         cfg = container.config
         self.container = container
         self.config = cfg
+        self.router_weights = router_weights
         container.hold_trunk_in_memory()  # every view below from the copy on huge pages
         self.store = store if store is not None else MmapExpertStore(container)
         self.read_ahead = True  # a long prefill pass reads the next MoE layer's experts ahead (_read_ahead)
@@ -177,6 +178,7 @@ class Model:
             kda={i: self.attn[i].new_state() for i in cfg.kda_layers},
             mla={i: self.attn[i].new_cache(capacity) for i in cfg.mla_layers},
             container_hash=self.container.manifest_sha256,
+            router_weights=self.router_weights,
         )
 
     def load_session(self, path: str) -> Session:
@@ -189,6 +191,11 @@ class Model:
         if saved_hash != self.container.manifest_sha256:
             raise WasteError(f"session file {path} belongs to another container (manifest "
                              f"{saved_hash[:12]}, this one {self.container.manifest_sha256[:12]})")
+        # Sessions written before the key existed ran with the default.
+        saved_routing = meta.get("router_weights", "unbiased")
+        if saved_routing != self.router_weights:
+            raise WasteError(f"session file {path} was run with --router-weights {saved_routing}, this run has "
+                             f"{self.router_weights}: continuing would not be the run it started")
         return restore_session(self.new_session(capacity=1), meta, arrays, self.config.vocab_size, path)
 
     # forward ------------------------------------------------------------------------------

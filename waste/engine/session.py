@@ -41,6 +41,7 @@ class Session:
     kda: dict[int, Any]  # layer -> KDAState
     mla: dict[int, Any]  # layer -> MLACache
     container_hash: str
+    router_weights: str = "unbiased"  # the model's --router-weights: a resumed run must route as this one did
     tokens: list[int] = field(default_factory=list)
     last_logits: np.ndarray | None = None  # [vocab] float32
     sampler_state: dict[str, Any] | None = None
@@ -87,6 +88,7 @@ class Session:
             "magic": SESSION_MAGIC,
             "version": SESSION_VERSION,
             "container_hash": self.container_hash,
+            "router_weights": self.router_weights,
             "position": self.position,
             "sampler_state": self.sampler_state,
             "sha256": {name: _digest(a) for name, a in arrays.items()},
