@@ -578,3 +578,31 @@ def test_a_prompt_keeps_the_cache_to_the_prefill_budget(tmp_path):
     for budget, prefill in ((PAGE, 2 * PAGE), (PAGE, -1)):
         with pytest.raises(WasteError, match="prefill cache budget"):
             StreamingExpertStore(c, budget, prefill_budget_bytes=prefill)
+
+
+def test_a_blob_truncated_between_check_and_read_is_named(tmp_path: Path) -> None:
+    """PageCacheReads: experts.bin cut short after its view was checked makes MADV_POPULATE_READ
+    fail with EFAULT ("Bad address"); the read checks the size again and says what happened."""
+    from waste.container.lease import ContainerChanged
+
+    class Truncated:  # a container whose experts.bin shrinks under the first read
+        checks = 0
+
+        def __init__(self, fd: int):
+            self.experts_fd = fd
+
+        def experts_view(self, offset: int, nbytes: int) -> np.ndarray:
+            self.checks += 1
+            if self.checks > 2:  # the one at construction and the read's own passed
+                raise ContainerChanged(f"experts.bin: truncated to 0 bytes while in use (byte {offset + nbytes} "
+                                       "is needed); another process changed the container")
+            return np.zeros(nbytes, np.uint8)
+
+        def advise_experts(self, offset: int, nbytes: int, advice: int) -> None:
+            raise OSError(errno.EFAULT, "Bad address")
+
+    with open(tmp_path / "experts.bin", "wb") as f:
+        reads = read_buffers.PageCacheReads(Truncated(f.fileno()))
+        reads._populate = True
+        with pytest.raises(ContainerChanged, match="truncated"):
+            reads.read(0, 4096)

@@ -122,6 +122,8 @@ class PageCacheReads:
                 self._container.advise_experts(offset, nbytes, MADV_POPULATE_READ)
                 return view
             except OSError as e:
+                if e.errno == errno.EFAULT:  # pages past the file's end: truncated since the view was checked
+                    self._container.experts_view(offset, nbytes)  # checks again and names the truncation
                 if e.errno != errno.EINVAL:  # a kernel before 5.14 does not know the advice
                     raise
                 self._populate = False
