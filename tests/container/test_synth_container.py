@@ -11,6 +11,7 @@ import pytest
 from waste.cli import main
 from waste.container import open_container
 from waste.container.convert import convert
+from waste.errors import WasteError
 from waste.synth import synthesize
 from waste.synth_container import synthesize_container
 from waste.testing import tiny_config
@@ -72,7 +73,8 @@ def test_a_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(sc, "synth_values", broken)
-    with pytest.raises(OSError):
+    # A write's error without a file name is said with the container's
+    with pytest.raises(WasteError, match=r"t\.waste: cannot write the container: No space left on device"):
         synthesize_container("tiny", tmp_path / "t.waste", quant="q8", progress=False)
     assert list(tmp_path.iterdir()) == []
 
