@@ -13,7 +13,7 @@ concatenated head outputs are multiplied by sigmoid(g_proj x) before o_proj.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -83,14 +83,21 @@ def mla_attention(
     return o, probs
 
 
-def naive_mla_layer(x: np.ndarray, weights: Mapping[str, np.ndarray], cfg: ModelConfig) -> np.ndarray:
+def naive_mla_layer(x: np.ndarray, weights: Mapping[str, np.ndarray], cfg: ModelConfig,
+                    product: Callable[[str, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """One MLA attention layer over a whole sequence from position 0, no cache.
 
     x [T, hidden] (already through input_layernorm). `weights` maps the tensor names below
     `self_attn.` without the `.weight` suffix (`q_proj` or `q_a_proj`/`q_a_layernorm`/`q_b_proj`,
     `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`, optional `g_proj`) to float64
-    arrays. Returns y [T, hidden].
+    arrays. `product(name, a)` is a @ W.T for the projection `name` (all but kv_b_proj, which
+    the attention expands): by default in float64 on `weights`; a caller may give the products
+    of a storage format (`waste.reference.quant.reference_matmul`, which rounds activations as
+    that format's products do). Returns y [T, hidden].
     """
+    if product is None:
+        def product(name: str, a: np.ndarray) -> np.ndarray:
+            return a @ weights[name].T
     x = np.asarray(x, np.float64)
     T = x.shape[0]
     H, nope, rope, v_dim, R = (
@@ -98,16 +105,16 @@ def naive_mla_layer(x: np.ndarray, weights: Mapping[str, np.ndarray], cfg: Model
     )
     eps = cfg.kv_layernorm_eps
     if cfg.q_lora_rank is None:
-        q = x @ weights["q_proj"].T
+        q = product("q_proj", x)
     else:
-        q = rms_norm(x @ weights["q_a_proj"].T, weights["q_a_layernorm"], eps) @ weights["q_b_proj"].T
+        q = product("q_b_proj", rms_norm(product("q_a_proj", x), weights["q_a_layernorm"], eps))
     q = q.reshape(T, H, nope + rope)
-    ckv = x @ weights["kv_a_proj_with_mqa"].T
+    ckv = product("kv_a_proj_with_mqa", x)
     latent = np.concatenate([rms_norm(ckv[:, :R], weights["kv_a_layernorm"], eps), ckv[:, R:]], axis=1)
     o, _ = mla_attention(
         q, latent, weights["kv_b_proj"], start=0, kv_rank=R, nope=nope, v_dim=v_dim, scale=(nope + rope) ** -0.5
     )
     o = o.reshape(T, H * v_dim)
     if cfg.mla_output_gate:
-        o = o * sigmoid(x @ weights["g_proj"].T)
-    return o @ weights["o_proj"].T
+        o = o * sigmoid(product("g_proj", x))
+    return product("o_proj", o)
