@@ -118,11 +118,16 @@ def test_console_script_exit_code(tmp_path):
 def test_tiny_expert_bytes_by_hand_quantised():
     # docs/QUANT.md: rows in blocks of 16, K in groups of 32; per (block, group) q8g stores
     # 512 code bytes + 16 float16 scales, q4g 256 + 16 x 2; plus one float32 tscale per matrix.
-    # w1, w3 [32, 64]: 2 blocks x 2 groups; w2 [64, 32]: 4 blocks x 1 group.
+    # w1, w3 [32, 64]: 2 blocks x 2 groups; w2 [64, 32]: 4 blocks x 1 group. The container stores
+    # each buffer 64-byte aligned and the blob padded to 4096 bytes (docs/CONTAINER.md).
+    from waste.plan import matrix_bytes
+
     q8 = 2 * (2 * 2 * (512 + 32) + 4) + (4 * 1 * (512 + 32) + 4)
     q4 = 2 * (2 * 2 * (256 + 32) + 4) + (4 * 1 * (256 + 32) + 4)
-    assert make_plan("tiny", scheme="q8").weights.per_expert == q8 == 6540
-    assert make_plan("tiny", scheme="q4").weights.per_expert == q4 == 3468
+    assert matrix_bytes("q8g", (32, 64)) * 2 + matrix_bytes("q8g", (64, 32)) == q8 == 6540
+    assert matrix_bytes("q4g", (32, 64)) * 2 + matrix_bytes("q4g", (64, 32)) == q4 == 3468
+    assert make_plan("tiny", scheme="q8").weights.per_expert == 8192
+    assert make_plan("tiny", scheme="q4").weights.per_expert == 4096
 
 
 def test_plan_of_a_container_reads_the_manifest(tmp_path, capsys):
@@ -137,7 +142,7 @@ def test_plan_of_a_container_reads_the_manifest(tmp_path, capsys):
     assert plan.scheme == "q4" and plan.weights.source == "container"
     assert plan.weights.trunk == counts["trunk_bytes"] and plan.weights.experts_total == counts["expert_bytes"]
     # A pread fetches whole 4 KiB-aligned blobs, so the container's expert size is the blob's.
-    assert plan.weights.per_expert == blob == 4096 > make_plan("tiny", scheme="q4").weights.per_expert
+    assert plan.weights.per_expert == blob == 4096 == make_plan("tiny", scheme="q4").weights.per_expert
     # The trunk differs from the formula only by the 64-byte alignment of each tensor.
     formula = make_plan("tiny", scheme="q4").weights.trunk
     assert formula <= plan.weights.trunk < formula + 64 * len(c.names())
@@ -204,3 +209,58 @@ def test_k3_experts_can_be_priced_in_another_storage():
     mx = make_plan("k3", scheme="q4").weights
     assert (q4.expert_storage, mx.expert_storage) == ("q4g", "mxfp4")
     assert q4.trunk == mx.trunk and q4.per_expert > mx.per_expert  # Q4G: 4.5 bits and more per weight
+
+
+def _dense_only_config(tmp_path):
+    from waste.config import preset_dict
+
+    d = preset_dict("tiny")
+    d["first_k_dense_replace"] = d["num_hidden_layers"]  # every FFN dense: no routed experts at all
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+def test_dense_only_model_plans_without_dividing_by_zero(tmp_path, capsys):
+    path = _dense_only_config(tmp_path)
+    assert main(["plan", str(path), "--ram", "1M"]) == 0
+    out = capsys.readouterr().out
+    assert "experts that fit: none (no routed experts)" in out and "nan" not in out.lower()
+    assert main(["plan", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["experts_count"] == 0 and d["experts_total_bytes"] == 0 and d["expert_bytes_per_token"] == 0
+    assert [b["experts_fit_fraction"] for b in d["budgets"]] == [None, None]
+
+
+@pytest.mark.parametrize(("preset", "scheme"), [("tiny", "q8"), ("tiny", "q4"), ("k3-tiny", "q4"),
+                                                ("kimi-linear-48b-a3b", "q4")])
+def test_formula_expert_bytes_are_the_containers_blob(preset, scheme):
+    # experts.bin holds one 4096-aligned blob per expert (docs/CONTAINER.md); the cache and the
+    # disk deal in blobs, so the planner prices a preset's expert as the container will store it.
+    from waste.container.format import plan_experts
+
+    w = make_plan(preset, scheme=scheme).weights
+    assert w.per_expert == plan_experts(load_preset(preset), w.expert_storage).blob_bytes
+    assert w.per_expert % 4096 == 0
+
+
+@pytest.mark.parametrize("option", [["--disk-gbps", "3"], ["--mem-gbps", "20"], ["--measure"]])
+def test_prediction_options_without_a_prediction_are_refused(option, capsys):
+    # The bandwidths only feed the run prediction of a container with --ram; anywhere else they
+    # would be silently ignored.
+    assert main(["plan", "tiny", "--ram", "1G", *option]) == 2
+    err = capsys.readouterr().err
+    assert option[0] in err and err.count("\n") == 1
+
+
+def test_bf16_state_is_refused_for_a_run_prediction(tmp_path, capsys):
+    # waste run keeps its KDA state and MLA cache in float32 (waste.engine.session); a prediction
+    # of that run cannot honour --state-dtype bf16, so it says so before measuring anything.
+    from waste.testing import tiny_container
+
+    path = tiny_container(tmp_path / "q4", quant="q4")
+    assert main(["plan", str(path), "--ram", "1G", "--state-dtype", "bf16", "--disk-gbps", "1", "--mem-gbps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--state-dtype bf16" in err and err.count("\n") == 1
+    assert main(["plan", str(path), "--state-dtype", "bf16"]) == 0  # no --ram: the model's bytes alone
+    assert "state bf16" in capsys.readouterr().out

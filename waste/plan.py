@@ -102,8 +102,10 @@ def planned_expert_storage(cfg: ModelConfig, scheme: str, experts: str | None = 
 
 
 def formula_weight_bytes(cfg: ModelConfig, scheme: str, experts: str | None = None) -> WeightBytes:
-    """Weight bytes priced from the expected tensor table and the formats' layouts."""
-    from waste.container.format import expected_expert_tensors, expected_tensors, tensor_class
+    """Weight bytes priced from the expected tensor table and the formats' layouts; one routed expert
+    as the container's blob (`plan_experts`: w1, w3, w2 aligned, the blob padded to 4096 bytes),
+    which is what the expert cache holds and the disk reads."""
+    from waste.container.format import expected_tensors, plan_experts, tensor_class
 
     if scheme not in SCHEMES:
         raise WasteError(f"unknown quantisation scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
@@ -112,7 +114,7 @@ def formula_weight_bytes(cfg: ModelConfig, scheme: str, experts: str | None = No
         cls = tensor_class(name, cfg)
         by_class[cls] = by_class.get(cls, 0) + tensor_bytes(name, shape, scheme)
     storage = planned_expert_storage(cfg, scheme, experts)
-    per_expert = sum(matrix_bytes(storage, shape) for shape in expected_expert_tensors(cfg).values())
+    per_expert = plan_experts(cfg, storage).blob_bytes
     n_layers = len(cfg.moe_layers)
     return WeightBytes(
         trunk=sum(by_class.values()),
@@ -167,6 +169,11 @@ class Plan:
         """RAM left for the expert cache under a budget of `ram` bytes (negative: does not fit)."""
         return ram - self.resident
 
+    def experts_fit_fraction_at(self, ram: int) -> float | None:
+        """Fraction of the routed experts that fit under `ram` (None: the model has none)."""
+        total = self.config.num_experts * self.weights.expert_layers
+        return self.experts_fit_at(ram) / total if total else None
+
     def experts_fit_at(self, ram: int) -> int:
         """Routed experts (blobs) an expert cache holds under a budget of `ram` bytes."""
         total = self.config.num_experts * self.weights.expert_layers
@@ -204,12 +211,12 @@ class Plan:
             "ram_bytes": self.ram,
             "expert_cache_room_bytes": self.cache_room,
             "experts_fit": self.experts_fit,
-            "experts_fit_fraction": None if self.experts_fit is None else self.experts_fit / total_experts,
+            "experts_fit_fraction": None if self.ram is None else self.experts_fit_fraction_at(self.ram),
             "expert_storage": self.weights.expert_storage,
             "weights_total_bytes": self.weights.trunk + self.weights.experts_total,
             "budgets": [{"ram_bytes": ram, "expert_cache_room_bytes": self.cache_room_at(ram),
                          "experts_fit": self.experts_fit_at(ram),
-                         "experts_fit_fraction": self.experts_fit_at(ram) / total_experts}
+                         "experts_fit_fraction": self.experts_fit_fraction_at(ram)}
                         for ram in (DEFAULT_BUDGETS if self.ram is None else (self.ram,))],
         }
 
@@ -307,12 +314,13 @@ def format_plan(plan: Plan) -> str:
         _row("resident (trunk + state)", plan.resident),
     ]
     for ram in DEFAULT_BUDGETS if plan.ram is None else (plan.ram,):
-        room, fit = plan.cache_room_at(ram), plan.experts_fit_at(ram)
+        room, fit, fraction = plan.cache_room_at(ram), plan.experts_fit_at(ram), plan.experts_fit_fraction_at(ram)
         lines += [
             f"RAM budget {human_bytes(ram)}",
             _row("left for the expert cache", max(room, 0), "" if room >= 0 else
                  f"does NOT fit: short by {human_bytes(-room)}"),
-            f"  experts that fit: {fit:,d} of {total_experts:,d} ({100.0 * fit / total_experts:.1f}%)",
+            "  experts that fit: none (no routed experts)" if fraction is None else
+            f"  experts that fit: {fit:,d} of {total_experts:,d} ({100.0 * fraction:.1f}%)",
         ]
     return "\n".join(lines)
 
@@ -394,8 +402,16 @@ def cmd_plan(args: Any) -> int:
     [--disk-gbps G] [--mem-gbps G] [--measure] [--trace F.npz]`."""
     plan = make_plan(args.target, context=args.context, state_dtype=args.state_dtype, scheme=args.quant, ram=args.ram,
                      experts=args.experts)
-    if args.trace and (plan.ram is None or plan.weights.source != "container"):
-        raise WasteError("--trace gives the hit rate of a run's prediction: it needs a container and --ram")
+    if plan.ram is None or plan.weights.source != "container":
+        given = [name for name, value in (("--trace", args.trace), ("--disk-gbps", args.disk_gbps),
+                                          ("--mem-gbps", args.mem_gbps), ("--measure", args.measure)) if value]
+        if given:
+            raise WasteError(f"{', '.join(given)}: only a run's prediction uses them, and it needs a container "
+                             "and --ram")
+    elif plan.state_dtype != "f32":
+        # The prediction is of `waste run`, whose session keeps its state in float32.
+        raise WasteError(f"--state-dtype {plan.state_dtype}: waste run keeps its state in f32, so a run's "
+                         "prediction (a container with --ram) cannot price it; leave out --ram or the option")
     prediction = run_prediction(plan, args)
     sweep = None
     if args.sweep:

@@ -219,3 +219,17 @@ def test_load_scale_bench(tmp_path) -> None:
         load_scale_bench(path)
     with pytest.raises(WasteError, match="no such bench result"):
         load_scale_bench(tmp_path / "absent.json")
+
+
+def test_tied_embeddings_are_read_whole_by_the_lm_head(tmp_path):
+    # With tie_word_embeddings the lm_head multiplies by the embedding table (waste.engine.model),
+    # so a token reads all of it, not one row: nothing is left out of the RAM traffic.
+    d = preset_dict("tiny") | {"tie_word_embeddings": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    plan = make_plan(str(path), scheme="f32", context=1024)
+    assert "lm_head" not in plan.weights.by_class and plan.weights.by_class["embedding"] == 512 * 64 * 4
+    b = decode_speed_bound(plan, 0.5, nvme_gbps=2.0, mem_gbps=60.0)
+    assert b.memory_bytes == plan.weights.trunk + 2 * (12288 + 6912) + 327680 + 196608
+    p = prefill_speed_bound(plan, 4096, nvme_gbps=2.0, mem_gbps=60.0, pass_tokens=2048)
+    assert p.memory_bytes == 2 * plan.weights.trunk + 2 * plan.weights.experts_total

@@ -110,3 +110,13 @@ def test_measured_points_from_bench_json(tmp_path, plans):
     (tmp_path / "engine.json").write_text(json.dumps(engine))
     assert [(p.preset, p.scheme, p.tokens_per_second) for p in measured_points(tmp_path)[:2]] == [
         ("mini", "q8", 100.0), ("k3-mini", "q8", 30.0)]
+
+
+def test_multiply_adds_count_a_tied_lm_head(tmp_path):
+    from waste.config import preset_dict
+
+    untied = make_plan("tiny", scheme="f32")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(preset_dict("tiny") | {"tie_word_embeddings": True}))
+    # The tied model multiplies by the same 512 x 64 lm_head; only the storage is shared.
+    assert multiply_adds_per_token(make_plan(str(path), scheme="f32")) == multiply_adds_per_token(untied)

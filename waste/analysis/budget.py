@@ -195,6 +195,14 @@ def read_bandwidth(buffer: np.ndarray, rounds: int = 5, threads: int = 1) -> dic
             "gbps": rows.nbytes / best / 1e9}
 
 
+def trunk_read_bytes(plan: Plan) -> int:
+    """Trunk bytes a token's products read: all of the trunk but the embedding table, of which a
+    token reads one row, unless the lm_head is that table (tied embeddings)."""
+    if plan.config.tie_word_embeddings:
+        return plan.weights.trunk
+    return plan.weights.trunk - plan.weights.by_class.get("embedding", 0)
+
+
 def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: float) -> DecodeBound:
     """Speed bound of one decoded token at an expert-cache hit rate in [0, 1]; bandwidths in GB/s
     (`waste plan` measures the memory's by the decode's own q8g matvec, `machine.measure_memory`)."""
@@ -204,7 +212,7 @@ def decode_speed_bound(plan: Plan, hit_rate: float, nvme_gbps: float, mem_gbps: 
         raise WasteError(f"bandwidths must be positive, got NVMe {nvme_gbps} GB/s and memory {mem_gbps} GB/s")
     experts = plan.touched_per_token
     missed = int(round((1.0 - hit_rate) * experts))
-    trunk_read = plan.weights.trunk - plan.weights.by_class.get("embedding", 0)
+    trunk_read = trunk_read_bytes(plan)
     # KDA state and conv rings are read and written back; the latent cache is only read.
     state_traffic = 2 * (plan.state.kda_state + plan.state.conv_rings) + plan.state.mla_latent
     memory = trunk_read + state_traffic + experts
@@ -260,7 +268,7 @@ def prefill_speed_bound(plan: Plan, prompt_tokens: int, nvme_gbps: float, mem_gb
     layer_bytes = plan.weights.expert_layers * plan.weights.per_expert
     fetched = sum(routed_experts_per_layer(plan.config, t) for t in passes) * layer_bytes
     read = routed_experts_per_layer(plan.config, prompt_tokens) * layer_bytes if experts_fit else fetched
-    trunk_read = plan.weights.trunk - plan.weights.by_class.get("embedding", 0)
+    trunk_read = trunk_read_bytes(plan)
     memory = len(passes) * trunk_read + fetched
     return PrefillBound(
         prompt_tokens=int(prompt_tokens),

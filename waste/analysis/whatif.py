@@ -40,10 +40,12 @@ TERM_WORDS = {
 
 def multiply_adds_per_token(plan: Plan) -> int:
     """Weights one decoded token multiplies by: every trunk matrix except the embedding table
-    (one row is read, not multiplied) plus top-k routed experts in every MoE layer."""
+    (one row is read, not multiplied; with tied embeddings the lm_head multiplies by it) plus
+    top-k routed experts in every MoE layer."""
     cfg = plan.config
+    embed = "model.embed_tokens.weight"
     trunk = sum(math.prod(s) for n, s in expected_tensors(cfg).items()
-                if len(s) == 2 and n.endswith(".weight") and n != "model.embed_tokens.weight")
+                if len(s) == 2 and n.endswith(".weight") and (n != embed or cfg.tie_word_embeddings))
     expert = sum(math.prod(s) for s in expected_expert_tensors(cfg).values())
     return int(trunk + cfg.num_experts_per_token * plan.weights.expert_layers * expert)
 
