@@ -24,3 +24,7 @@ def test_sizes():
     assert human_bytes(999.4 * (1 << 20)) == "999 MiB" and human_bytes(1 << 30) == "1 GiB"
     with pytest.raises(WasteError):
         parse_size("big")
+    # A fraction needs a unit: "1.5" is not one byte
+    assert parse_size("1.5G") == 3 << 29 and parse_size("100.0") == 100
+    with pytest.raises(WasteError, match="a fraction of a byte; give a unit, such as 1.5G"):
+        parse_size("1.5")

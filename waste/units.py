@@ -39,7 +39,10 @@ def parse_size(text: str | int, what: str = "size") -> int:
     m = _SIZE.match(str(text))
     if not m:
         raise WasteError(f"{what} {text!r}: expected a byte size such as 512M, 24G or 24GiB")
-    return int(float(m.group(1)) * _BINARY[(m.group(2) or "").upper()])
+    number, unit = float(m.group(1)), (m.group(2) or "").upper()
+    if not unit and not number.is_integer():  # "1.5" meant 1.5 of some unit, not one byte
+        raise WasteError(f"{what} {text!r}: a fraction of a byte; give a unit, such as {text}G")
+    return int(number * _BINARY[unit])
 
 
 def human_bytes(n: float) -> str:
