@@ -90,3 +90,25 @@ def test_stale_temporaries_of_killed_runs_are_cleaned(checkpoint: Path, tmp_path
         convert(checkpoint, out, quant="f32", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.waste"]
     open_container(out).close()
+
+
+def test_a_file_too_large_for_the_file_system_leaves_nothing(checkpoint: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizing experts.bin can fail (EFBIG on FAT32, `ulimit -f`): one WasteError naming the file, and
+    neither the temporary directory nor its open descriptors are left behind."""
+    import errno
+    import os
+
+    real = os.ftruncate
+
+    def too_large(fd: int, size: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("experts.bin"):
+            raise OSError(errno.EFBIG, "File too large")
+        real(fd, size)
+
+    monkeypatch.setattr(os, "ftruncate", too_large)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(WasteError, match=r"o\.waste: cannot write experts\.bin: File too large"):
+        convert(checkpoint, tmp_path / "o.waste", quant="f32", progress=False)
+    assert list(tmp_path.iterdir()) == []
+    assert len(os.listdir("/proc/self/fd")) == fds

@@ -334,3 +334,39 @@ def test_missing_expert_scale_is_refused_by_name(tmp_path: Path, capsys: pytest.
     message = f"missing 1 tensor(s): {BLOCK}.block_sparse_moe.experts.5.w2.weight_scale"
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "c.waste").exists()
+
+
+def test_mxfp4_halves_in_different_shards_are_read_together(mxfp4_pair: tuple[Path, Path], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every weight_scale in one shard and every weight_packed in another: each expert matrix's two
+    halves are still read one after the other (memory bounded by a tensor, not by a shard of packed
+    nibbles waiting for their scales), and the container is the same."""
+    import waste.container.convert as conv
+
+    hf, path = mxfp4_pair
+    raw = read_raw(hf)
+    work = tmp_path / "hf"
+    work.mkdir()
+    (work / "config.json").write_bytes((hf / "config.json").read_bytes())
+    shards = {"model-00001-of-00002.safetensors": {n: v for n, v in raw.items() if n.endswith(".weight_scale")},
+              "model-00002-of-00002.safetensors": {n: v for n, v in raw.items() if not n.endswith(".weight_scale")}}
+    weight_map = {}
+    for shard, tensors in shards.items():
+        save_file(tensors, str(work / shard))
+        weight_map.update(dict.fromkeys(tensors, shard))
+    (work / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    read: list[str] = []
+    real = conv.read_tensor
+
+    def recording(f: object, t: conv.SourceTensor) -> np.ndarray:
+        read.append(t.name)
+        return real(f, t)
+
+    monkeypatch.setattr(conv, "read_tensor", recording)
+    out = convert(work, tmp_path / "c.waste", quant="f32", progress=False)
+    halves = [n for n in read if n.endswith((".weight_packed", ".weight_scale"))]
+    assert len(halves) == 2 * len(CFG.moe_layers) * CFG.num_experts * len(EXPERT_PARTS)
+    for a, b in zip(halves[::2], halves[1::2], strict=True):
+        assert a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0] and a != b, (a, b)
+    for f in ("trunk.bin", "experts.bin"):
+        assert (out / f).read_bytes() == (path / f).read_bytes()

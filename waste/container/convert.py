@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import struct
 import sys
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from waste.container.format import (
 )
 from waste.container.writer import ContainerWriter
 from waste.errors import WasteError
-from waste.fileio import recover_stale
+from waste.fileio import NotRegularFile, open_regular, read_bounded, recover_stale
 from waste.tokenizer import CONTAINER_DIR as TOKENIZER_DIR
 from waste.tokenizer import file_record, tokenizer_file_bytes
 from waste.units import human_bytes
@@ -51,7 +52,7 @@ INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
               "U8": np.dtype(np.uint8)}
 _E8M0_NAN = 255  # the one scale byte that is not a power of two
-_MAX_HEADER = 256 << 20
+_MAX_HEADER = 100_000_000  # bytes: the safetensors library's own limit
 
 
 @dataclass(frozen=True)
@@ -66,23 +67,46 @@ class SourceTensor:
     nbytes: int
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object gives one key twice."""
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def read_header(path: Path) -> list[SourceTensor]:
-    """The tensors a safetensors file declares, checked against the file's size. A K3 checkpoint's
-    vision tensors may have any dtype: they are listed (for `inventory` to count) but never read."""
+    """The tensors a safetensors file declares, checked against the file's size and against each
+    other (no two share bytes). A K3 checkpoint's vision tensors may have any dtype: they are listed
+    (for `inventory` to count) but never read."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise WasteError(f"{path}: truncated safetensors file (no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(_MAX_HEADER, size - 8):
-                raise WasteError(f"{path}: header of {n} bytes runs past the end of the file ({size} bytes)")
-            header = json.loads(f.read(n))
+        fd = open_regular(path)
     except FileNotFoundError:
         raise WasteError(f"{path}: no such file") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise WasteError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    except NotRegularFile:
+        raise WasteError(f"{path}: not a regular file") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise WasteError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER:
+            raise WasteError(f"{path}: header of {n} bytes is larger than the {_MAX_HEADER} safetensors allows")
+        if n > size - 8:
+            raise WasteError(f"{path}: header of {n} bytes runs past the end of the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        except _DuplicateKey as e:
+            raise WasteError(f"{path}: safetensors header names {e.args[0]!r} twice") from None
+        except (ValueError, RecursionError) as e:
+            raise WasteError(f"{path}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise WasteError(f"{path}: safetensors header is not a JSON object")
     out = []
@@ -91,7 +115,8 @@ def read_header(path: Path) -> list[SourceTensor]:
             continue
         try:
             dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = all(isinstance(v, int) and v >= 0 for v in (*shape, lo, hi))
+            ok = isinstance(dtype, str) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                for v in (*shape, lo, hi))
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
@@ -106,17 +131,22 @@ def read_header(path: Path) -> list[SourceTensor]:
         if 8 + n + hi > size:
             raise WasteError(f"{path}: truncated: tensor {name!r} ends at byte {8 + n + hi}, the file has {size}")
         out.append(SourceTensor(name, path, dtype, shape, 8 + n + lo, hi - lo))
+    # Two tensors over the same bytes would both be converted from them, one silently wrong.
+    spans = sorted((t.start, t.start + t.nbytes, t.name) for t in out if t.nbytes and not k3_layout.is_vision(t.name))
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise WasteError(f"{path}: tensors {a!r} and {b!r} share bytes (their data_offsets overlap)")
     return out
 
 
 def checkpoint_files(hf_dir: Path) -> list[Path]:
     """The shards of a checkpoint: from the index json, else model.safetensors, else *.safetensors."""
     index = hf_dir / INDEX
-    if index.exists():
+    if os.path.lexists(index):
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(read_bounded(index, _MAX_HEADER, "safetensors index"))["weight_map"]
             files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise WasteError(f"{index}: not a safetensors index ({e})") from None
         for f in files:
             if not isinstance(f, str) or not (hf_dir / f).is_file():
@@ -212,6 +242,14 @@ def read_tensor(f: object, t: SourceTensor) -> np.ndarray:
     return values
 
 
+def _read_from(f: object, path: Path, t: SourceTensor) -> np.ndarray:
+    """`read_tensor` of `t` through `f` (the open file `path`) when it lives there, else through its own file."""
+    if t.path == path:
+        return read_tensor(f, t)
+    with open(t.path, "rb") as other:
+        return read_tensor(other, t)
+
+
 def _check_a_log(name: str, values: np.ndarray, cfg: ModelConfig, path: Path) -> None:
     if values.ndim == 1 and np.any(values[cfg.kda_num_heads:]):
         raise WasteError(f"{path}: tensor {name!r} [{values.size}] is not zero past the {cfg.kda_num_heads} heads")
@@ -250,8 +288,9 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: 
     if tokenizer:
         source["tokenizer"] = file_record(tokenizer)
     total = sum(t.nbytes for t in found.values())
-    # MXFP4 experts arrive as two tensors; the first waits here for the second.
-    pending: dict[tuple[int, int, str], dict[str, np.ndarray]] = {}
+    # An MXFP4 expert matrix is two tensors, which need not be neighbours (or in one shard): the
+    # first one met reads both, so that nothing waits in memory for its other half.
+    done: set[str] = set()
     with ContainerWriter(out, cfg, quant, trunk, experts=experts, force=force,
                          extra={"source": source}) as w, \
             tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {quant}", file=sys.stderr,
@@ -259,17 +298,22 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: 
         for path, items in by_file.items():
             with open(path, "rb") as f:
                 for name, t in sorted(items, key=lambda it: it[1].start):
-                    values = read_tensor(f, t)
+                    if name in done:
+                        continue
                     expert = parse_expert_name(name)
                     mx = k3_layout.mxfp4_expert(name)
                     if mx is not None:
-                        layer, e, part, buf = mx
-                        bufs = pending.setdefault((layer, e, part), {})
-                        bufs[buf] = values
-                        if len(bufs) == len(k3_layout.MXFP4_BUFFERS):
-                            del pending[(layer, e, part)]
-                            w.write_expert(layer, e, part, from_buffers("mxfp4", parts[part], bufs))
-                    elif expert is not None:
+                        layer, e, part, _ = mx
+                        bufs = {}
+                        for buf, bname in k3_layout.mxfp4_expert_names(expert_name(layer, e, part)).items():
+                            bufs[buf] = _read_from(f, path, found[bname])
+                            done.add(bname)
+                            bar.update(found[bname].nbytes)
+                        w.write_expert(layer, e, part, from_buffers("mxfp4", parts[part], bufs))
+                        del bufs
+                        continue
+                    values = read_tensor(f, t)
+                    if expert is not None:
                         w.write_expert(expert[0], expert[1], expert[2], values)
                     else:
                         if name.endswith(".self_attn.A_log"):

@@ -117,10 +117,17 @@ class ContainerWriter:
         recover_stale(self.out)
         self.tmp = temp_dir_for(self.out)
         self._fds: dict[str, int] = {}
-        for name, size in ((TRUNK, self.trunk_bytes), (EXPERTS, self.experts.file_bytes)):
-            fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            self._fds[name] = fd
-            os.ftruncate(fd, size)
+        try:
+            for name, size in ((TRUNK, self.trunk_bytes), (EXPERTS, self.experts.file_bytes)):
+                fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fds[name] = fd
+                # EFBIG where the file system caps a file's size (FAT32: 4 GiB) or `ulimit -f` does
+                os.ftruncate(fd, size)
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError):
+                raise WasteError(f"{self.out}: cannot write {name}: {e.strerror or e}") from None
+            raise
 
     def write_tensor(self, name: str, value: np.ndarray) -> None:
         """Store one trunk tensor (float values in their checkpoint shape)."""
