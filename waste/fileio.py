@@ -6,7 +6,9 @@ Every output is written to a temporary name beside its destination and renamed i
 reader sees the old content or the new, never a mix, and a killed run leaves at most a
 hidden `.NAME.tmp-PID[-RANDOM]` behind, which the next write to the same destination removes.
 
-`check_output(path, kind, force)` is the overwrite policy, applied before any work starts:
+`check_output(path, kind, force)` is the overwrite policy of files, `check_output_dir` that of
+directories (only an earlier output of the same kind or an empty directory is replaced), applied
+before any work starts:
 a new path is always fine; an existing file is replaced only with `--force`, or when it
 already is an output of the same kind (a `.npy` where `--logits-out` writes one, a waste
 session where `--session-out` writes one): rerunning a command must not need `--force`,
@@ -201,6 +203,21 @@ def temp_dir_for(out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # installed as the output: the mode mkdir would give, not mkdtemp's 0700
     return tmp
+
+
+def check_output_dir(out: Path, what: str, force: bool, same_kind: Callable[[Path], bool]) -> None:
+    """The overwrite policy of a directory output (a container, a checkpoint), before any work:
+    a new path is fine; an existing one needs `force`, and even then only an earlier output of
+    the same kind (`same_kind`) or an empty directory is replaced: a mistyped OUT must not delete
+    a directory of other files."""
+    if not os.path.lexists(out):
+        return
+    if not force:
+        raise WasteError(f"{out} exists; pass --force to replace it")
+    empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    if not empty and not (out.is_dir() and not out.is_symlink() and same_kind(out)):
+        raise WasteError(f"{out} exists and is not a {what} nor an empty directory: not replaced, even with "
+                         "--force; remove it yourself if that is what you mean")
 
 
 # The steps of `install_dir`, named so a test can make one fail.

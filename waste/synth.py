@@ -43,7 +43,7 @@ from waste.container.format import (
     expert_name,
 )
 from waste.errors import WasteError
-from waste.fileio import install_dir, recover_stale, remove_tree, temp_dir_for
+from waste.fileio import check_output_dir, install_dir, recover_stale, remove_tree, temp_dir_for
 from waste.kernels.mxfp4 import quantize_mxfp4
 from waste.tokenizer import synthetic_tokenizer_files, write_files
 from waste.units import human_bytes, parse_size
@@ -214,8 +214,8 @@ def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir
         raise WasteError(f"shard size must be positive, got {shard_bytes}")
     out = Path(out_dir)
     recover_stale(out)
-    if out.exists() and not force:
-        raise WasteError(f"{out} exists; pass --force to replace it")
+    check_output_dir(out, "checkpoint (a directory with config.json)", force,
+                     lambda d: (d / "config.json").is_file())
     if not out.parent.is_dir():
         raise WasteError(f"{out.parent}: no such directory")
     hf, entries = _checkpoint_layout(cfg, dtype, expert_format, attn_res_spelling)

@@ -252,6 +252,28 @@ def test_refuses_to_overwrite_without_force(checkpoint: Path, tmp_path: Path,
     assert code == 2 and "exists; pass --force" in err
 
 
+def test_force_replaces_only_an_earlier_output_or_an_empty_directory(checkpoint: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped OUT with --force must not delete a directory of other files (or a file)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    a_file = tmp_path / "thesis.pdf"
+    a_file.write_bytes(b"%PDF")
+    for out in (home, a_file):
+        code, err = run_cli(capsys, "convert", str(checkpoint), str(out), "--quant", "f32", "--quiet", "--force")
+        assert code == 2 and "is not a waste container nor an empty directory: not replaced" in err
+        assert "\n" not in err.strip()
+    code, err = run_cli(capsys, "synth", "tiny", str(home), "--force")
+    assert code == 2 and "is not a checkpoint (a directory with config.json) nor an empty directory" in err
+    assert (home / "notes.txt").read_text() == "mine" and a_file.read_bytes() == b"%PDF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["home", "thesis.pdf", checkpoint.name])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _ = run_cli(capsys, "convert", str(checkpoint), str(empty), "--quant", "f32", "--quiet", "--force")
+    assert code == 0 and (empty / "manifest.json").is_file()
+
+
 
 def test_a_failed_read_of_an_expert_held_in_memory(container: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An expert read into memory (hold_experts_in_memory) whose read fails is one ContainerError

@@ -38,12 +38,13 @@ from waste.container.format import (
     expected_tensors,
     expert_name,
     expert_storage,
+    is_container_dir,
     parse_expert_name,
     shape_accepted,
 )
 from waste.container.writer import ContainerWriter
 from waste.errors import WasteError
-from waste.fileio import NotRegularFile, open_regular, read_bounded, recover_stale
+from waste.fileio import NotRegularFile, check_output_dir, open_regular, read_bounded, recover_stale
 from waste.tokenizer import CONTAINER_DIR as TOKENIZER_DIR
 from waste.tokenizer import file_record, tokenizer_file_bytes
 from waste.units import human_bytes
@@ -269,11 +270,10 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: 
     if quant not in SCHEMES:
         raise WasteError(f"unknown quantisation scheme {quant!r}; expected one of {', '.join(SCHEMES)}")
     recover_stale(out)
-    if out.exists() and not force:
-        raise WasteError(f"{out} exists; pass --force to replace it")
     src, dst = hf_dir.resolve(), out.resolve()
     if dst == src or dst in src.parents:
         raise WasteError(f"{out}: is or contains the checkpoint {hf_dir} being converted; choose another output")
+    check_output_dir(out, "waste container", force, is_container_dir)
     cfg = load_config_file(hf_dir / "config.json")
     expert_storage(cfg, quant, experts)  # a bad --experts fails before any reading
     found, skipped = inventory(hf_dir, cfg)

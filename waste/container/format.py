@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import crc32c as _crc32c
@@ -384,3 +385,9 @@ def plan_experts(cfg: ModelConfig, storage: str) -> ExpertsLayout:
         parts.append(TensorEntry(part, EXPERTS, pos, span, shape, "matrix", storage, buffers))
         pos = align(pos + span, TRUNK_ALIGN)
     return ExpertsLayout(tuple(cfg.moe_layers), cfg.num_experts, align(pos, BLOB_ALIGN), tuple(parts), storage)
+
+
+def is_container_dir(path: Path) -> bool:
+    """Whether a directory looks like a waste container (it has a manifest), as an output that
+    `--force` may replace."""
+    return (path / MANIFEST).is_file()

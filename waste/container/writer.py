@@ -28,12 +28,13 @@ from waste.container.format import (
     align,
     crc32c,
     expert_storage,
+    is_container_dir,
     plan_experts,
     plan_trunk,
 )
 from waste.container.manifest import manifest_json
 from waste.errors import WasteError
-from waste.fileio import install_dir, recover_stale, remove_tree, temp_dir_for
+from waste.fileio import check_output_dir, install_dir, recover_stale, remove_tree, temp_dir_for
 from waste.tokenizer import write_files
 
 # The quantiser and QMatrix (Numba kernels) are imported when a tensor is encoded, so that
@@ -100,8 +101,7 @@ class ContainerWriter:
     def __init__(self, out: str | Path, cfg: ModelConfig, scheme: str, shapes: dict[str, Shape], *,
                  experts: str | None = None, force: bool = False, extra: dict[str, Any] | None = None):
         self.out = Path(out)
-        if self.out.exists() and not force:
-            raise WasteError(f"{self.out} exists; pass --force to replace it")
+        check_output_dir(self.out, "waste container", force, is_container_dir)
         if not self.out.parent.is_dir():
             raise WasteError(f"{self.out.parent}: no such directory")
         self.force = force
