@@ -336,3 +336,26 @@ def test_an_advised_map_guesses_when_the_tables_run_the_step(q4) -> None:
         expected.append(("count", layer))
         expected += [("guess", later) for later in moe[n + 1:n + 1 + GUESS_LAYERS]]
     assert events == expected
+
+
+@pytest.mark.parametrize("layers_cached", [2, 2.5])
+def test_a_full_cache_still_reads_every_layer_ahead(q4, layers_cached) -> None:
+    """Once a prompt's first layers fill the cache, the entries of the layers the pass has left
+    make way for the next layer's reads ahead: every miss of every layer is read ahead (before,
+    the layers after the cache filled were read on demand), with the same logits, counters and
+    final cache as without read-ahead, and never more than the budget cached, under way and ahead."""
+    with open_container(q4) as c:
+        layers = c.config.moe_layers
+        assert len(layers) > layers_cached + 1  # some layers come after the cache is full
+        blob = int(c.expert_span(layers[0], 0)[1])
+        budget = int(layers_cached * c.config.num_experts * blob)
+        plain = _run(c, StreamingExpertStore(c, budget, read_threads=4), False)
+        store = StreamingExpertStore(c, budget, read_threads=4)
+        ahead = _run(c, store, True)
+        mapped = _run(c, MmapExpertStore(c), True)
+    np.testing.assert_array_equal(ahead["logits"], mapped["logits"])
+    for key in ("hits", "misses", "requests", "bytes_read"):
+        assert ahead["prefill"][key] == plain["prefill"][key], key
+    assert ahead["cached"] == plain["cached"] and ahead["peak"] <= budget
+    first = c.config.num_experts  # the first layer's misses are read ahead as the pass begins too
+    assert ahead["prefill"]["ahead_used"] == ahead["prefill"]["misses"] == len(layers) * first

@@ -71,6 +71,17 @@ class ExpertCache:
         while self.held > self.budget:
             self._evict()
 
+    def make_room(self, nbytes: int, layers: set[int]) -> None:
+        """Evict entries of `layers`, least recently used first, until `nbytes` more fit in the
+        budget or none of theirs is left (LFU's heap skips what is gone, as after `discard`)."""
+        for key in [k for k in self.entries if k[0] in layers]:
+            if self.held + nbytes <= self.budget:
+                return
+            entry = self.entries.pop(key)
+            self.held -= int(entry.buf.nbytes)
+            if self.on_evict is not None:
+                self.on_evict(entry.buf)
+
     def discard(self, key: tuple[int, int], entry: Entry) -> None:
         """Remove `key` if it holds `entry` (a blob that failed its check)."""
         if self.entries.get(key) is entry:

@@ -297,7 +297,19 @@ class StreamingExpertStore(ExpertStore):
 
     def _read_layer_ahead(self, layer: int) -> None:
         """Issue reads (and checks) of `layer`'s uncached experts, in disk order, while the budget
-        has room beyond the cache's entries, the reads under way and those already ahead."""
+        has room beyond the cache's entries, the reads under way and those already ahead.
+
+        A pass asks for each layer once, so the entries of the layers it has passed (before the
+        one being asked for) first make way for these, least recently used first, as the cache
+        would evict them when these were asked for: once a prompt's first layers had filled the
+        cache, its last layers were read on demand, their reads no longer under the compute (on
+        the 48B q4, 7 of 26 layers, a third of its cold prefill's time)."""
+        at = self._schedule.index(layer) if layer in self._schedule else 0
+        passed = set(self._schedule[:max(0, at - 1)])
+        if passed:
+            wanted = sum(self.container.expert_span(layer, e)[1] for e in range(self._num_experts)
+                         if self._cache.lookup((layer, e)) is None and (layer, e) not in self._ahead)
+            self._cache.make_room(wanted + self._missing_bytes + self._ahead_bytes, passed)
         if self._issue_ahead(layer, range(self._num_experts), 0):
             self._ahead_peak = max(self._ahead_peak, self._cache.held + self._missing_bytes + self._ahead_bytes)
 
