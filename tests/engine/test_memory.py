@@ -232,6 +232,20 @@ def test_planned_peak_agrees_with_the_measured_peak(q4) -> None:
         assert 0.9 * planned <= peak <= 1.1 * planned, (store, planned, peak, done.stdout, done.stderr)
 
 
+def test_the_warm_up_leaves_no_expert_mapped_or_tabled(q4) -> None:
+    """The warm-up's pass through the memory map leaves none of experts.bin's pages in the
+    process's RSS (a streaming run would carry them past its plan) and no MoE layer holding
+    tables of its closed stores."""
+    from waste.engine.memory import mapped_rss
+    from waste.engine.moe_layer import MoELayer
+
+    with open_container(q4) as c:
+        model, _ = measure_runtime(c, chunk=16)
+        assert mapped_rss([c.experts_fd]) == 0
+        moe = [f for f in model.ffn if isinstance(f, MoELayer)]
+        assert moe and all(f._tables is None and f._tables_store is None for f in moe)
+
+
 # Run in a process of its own (whatever this one has loaded would hide a miss): the warm-up, then
 # the Numba kernels of waste's modules and how many signatures each holds, then prompts of
 # several lengths and their decodes through both kinds of store; prints the kernels that gained one.

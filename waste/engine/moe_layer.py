@@ -234,6 +234,13 @@ class MoELayer:
                 y += extra
         return y, RoutingInfo(ids, weights, unique, ids.size / max(len(unique), 1))
 
+    def drop_tables(self) -> None:
+        """Forget the decode tables and the store they were made over: they hold that store's
+        experts (an MXFP4 expert's repacked copy is process memory), which a closed store's
+        would keep alive until the next decode step made new ones."""
+        self._tables = None
+        self._tables_store = None
+
     def _tables_for(self, store: ExpertSource, shared: Expert | None) -> ExpertTables | None:
         """The layer's ExpertTables for a store that maps every expert (decode), else None."""
         if not getattr(store, "maps_every_expert", False):
