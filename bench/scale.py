@@ -112,9 +112,10 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         prompt = rng.integers(0, cfg.vocab_size, args.prompt_len)
         context = args.prompt_len + args.new + 8
         available = None if args.ram is None else parse_size(args.ram, "--ram")
-        # As `waste run` does: load the model and every kernel on the path (two prompt tokens and
-        # one decoded through a store that caches nothing), measure what the process holds, plan,
-        # then pick the store. The warm-up's counters are not kept.
+        # As `waste run` does: load the model and every kernel on the path (a few tokens through
+        # each kind of store, `measure_runtime`), measure what the process holds, plan, then pick
+        # the store. The warm-up's counters are not kept; the experts its map pass brought into
+        # the page cache are dropped below with the rest, before the cold prefill.
         model, runtime = measure_runtime(c, chunk=args.prefill_chunk)
         memory = plan_run_memory(c, context, chunk=args.prefill_chunk, pass_tokens=PREFILL_PASS_TOKENS,
                                  runtime=runtime, decode_tokens=args.new, available=available)
