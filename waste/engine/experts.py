@@ -134,13 +134,15 @@ class StreamingExpertStore(ExpertStore):
         self._expert_bytes = sum(int(container.expert_span(layer, e)[1]) for layer in self._moe_layers
                                  for e in range(self._num_experts))
         self._verify = bool(container.verify_data)
-        # Evicted buffers wait for reuse, as many as one layer has experts: a prefill pass's touch
+        # Evicted buffers wait for reuse, as many as two layers have experts: a prefill pass's touch
         # phase evicts as many blobs as it inserts, up to a whole layer's, after its reads took as
-        # many buffers. Kept, they serve the next layer's reads; 16 kept (until 2026-12-03) let the
-        # rest go, and the next layer faulted in fresh ones (a `mini` prefill at half the experts
-        # cached: 400 fresh buffers for 448 reads into a cache of 224). The memory plan counts a
-        # layer's experts as working memory, and the spares never exceed the largest touch.
-        self._spare = SpareBuffers(max(SPARE_BUFFERS, self._num_experts))
+        # many buffers, and once the cache is full its read-ahead makes room at once for the layer
+        # being read and the next one's reads (`_read_layer_ahead`). Kept, they serve the next
+        # reads; 16 kept (until 2026-12-03) let the rest go, and the next layer faulted in fresh
+        # ones (a `mini` prefill at half the experts cached: 400 fresh buffers for 448 reads into
+        # a cache of 224). The spares beyond the reads ahead that take them are at most a layer's
+        # experts, which the memory plan counts as a prefill's working memory.
+        self._spare = SpareBuffers(max(SPARE_BUFFERS, 2 * self._num_experts))
         self._page_cache = PageCacheReads(container) if io == "page-cache" else None
         self._cache = ExpertCache(self.budget_bytes, policy, self._evicted)
         self._lock = threading.Lock()
@@ -303,7 +305,7 @@ class StreamingExpertStore(ExpertStore):
         one being asked for) first make way for these, least recently used first, as the cache
         would evict them when these were asked for: once a prompt's first layers had filled the
         cache, its last layers were read on demand, their reads no longer under the compute (on
-        the 48B q4, 7 of 26 layers, a third of its cold prefill's time)."""
+        the 48B q4, the last 7 of 26 layers)."""
         at = self._schedule.index(layer) if layer in self._schedule else 0
         passed = set(self._schedule[:max(0, at - 1)])
         if passed:

@@ -231,11 +231,9 @@ def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbias
     from waste.engine.experts import MmapExpertStore, StreamingExpertStore
     from waste.engine.model import LayerTimes, Model
 
-    stores = (lambda: StreamingExpertStore(container, 0, read_threads=1), lambda: MmapExpertStore(container))
-    model = Model(container, store=stores[0](), router_weights=router_weights)
-    for i, make_store in enumerate(stores):
-        if i:
-            model.store = make_store()
+    model = Model(container, store=StreamingExpertStore(container, 0, read_threads=1), router_weights=router_weights)
+    for store in (model.store, MmapExpertStore(container)):
+        model.store = store
         session = model.new_session(4)
         try:
             model.prefill(session, [0, 1], chunk=chunk, all_logits=False)
