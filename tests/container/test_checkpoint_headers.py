@@ -75,6 +75,18 @@ def test_deeply_nested_index(tmp_path: Path) -> None:
         checkpoint_files(tmp_path)
 
 
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", "..", ""])
+def test_an_index_naming_a_shard_elsewhere_is_refused(tmp_path: Path, shard: str) -> None:
+    """A shard is a file beside its index: a path that leaves the checkpoint is not followed."""
+    checkpoint = tmp_path / "ckpt"
+    (checkpoint / "sub").mkdir(parents=True)
+    (checkpoint / "sub" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    (checkpoint / INDEX).write_text(json.dumps({"weight_map": {"a": shard}}))
+    with pytest.raises(WasteError, match="which is not a file name beside the index"):
+        checkpoint_files(checkpoint)
+
+
 @pytest.mark.parametrize("name", ["model-00001-of-00002.safetensors", INDEX])
 def test_fifo_in_the_checkpoint_is_refused_not_waited_on(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          name: str) -> None:

@@ -150,7 +150,10 @@ def checkpoint_files(hf_dir: Path) -> list[Path]:
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise WasteError(f"{index}: not a safetensors index ({e})") from None
         for f in files:
-            if not isinstance(f, str) or not (hf_dir / f).is_file():
+            # A shard is a file beside its index: a path elsewhere is no part of this checkpoint
+            if not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f or "\\" in f:
+                raise WasteError(f"{index}: names shard {f!r}, which is not a file name beside the index")
+            if not (hf_dir / f).is_file():
                 raise WasteError(f"{index}: names shard {f!r}, which is missing")
         return [hf_dir / f for f in files]
     single = hf_dir / "model.safetensors"
