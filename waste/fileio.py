@@ -214,8 +214,8 @@ def check_output_dir(out: Path, what: str, force: bool, same_kind: Callable[[Pat
         return
     if not force:
         raise WasteError(f"{out} exists; pass --force to replace it")
-    empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
-    if not empty and not (out.is_dir() and not out.is_symlink() and same_kind(out)):
+    a_dir = out.is_dir() and not out.is_symlink()
+    if not (a_dir and (not any(out.iterdir()) or same_kind(out))):
         raise WasteError(f"{out} exists and is not a {what} nor an empty directory: not replaced, even with "
                          "--force; remove it yourself if that is what you mean")
 

@@ -97,9 +97,11 @@ def cmd_run(args: Any) -> int:
     from waste.engine.trace import TraceRecorder
     from waste.tokenizer import require_tokenizer
 
-    streaming_options = {"--cache-policy": args.cache_policy, "--read-threads": args.read_threads,
-                         "--expert-io": args.expert_io}
-    given = [flag for flag, value in streaming_options.items() if value is not None]
+    # The streaming store's options the user gave (by its keyword, with the flag that set it)
+    streaming = {key: (flag, value) for key, flag, value in (
+        ("policy", "--cache-policy", args.cache_policy), ("read_threads", "--read-threads", args.read_threads),
+        ("io", "--expert-io", args.expert_io)) if value is not None}
+    given = [flag for flag, _ in streaming.values()]
     if args.expert_cache == "mmap" and given:
         raise WasteError(f"{', '.join(given)}: options of the streaming store, which --expert-cache mmap does not use")
     budget = None if args.expert_cache in (None, "mmap") else parse_size(args.expert_cache, "--expert-cache")
@@ -132,9 +134,8 @@ def cmd_run(args: Any) -> int:
             # The one line saying why the run streams (stdout may carry the generated text);
             # when every expert fits, the memory-mapped store needs no word.
             print(memory.describe(), file=sys.stderr)
-    chosen = {"policy": args.cache_policy, "read_threads": args.read_threads, "io": args.expert_io}
     store = open_expert_store(container, budget, prefill_budget_bytes=prefill_budget,
-                              **{k: v for k, v in chosen.items() if v is not None})
+                              **{key: value for key, (_, value) in streaming.items()})
     if model is None:
         model = Model(container, store=store, router_weights=args.router_weights)
     else:
