@@ -22,6 +22,9 @@ def test_sizes():
     assert human_bytes(434110464) == "414 MiB" and human_bytes(30523392) == "29.1 MiB"
     assert human_bytes(1010 << 20) == "1010 MiB" and human_bytes(1023 << 20) == "1023 MiB"
     assert human_bytes(999.4 * (1 << 20)) == "999 MiB" and human_bytes(1 << 30) == "1 GiB"
+    # what would round to 1024 of a unit is 1 of the next
+    assert human_bytes((1 << 20) - 1) == "1 MiB" and human_bytes(1023.7 * (1 << 30)) == "1 TiB"
+    assert human_bytes(1023.4 * 1024) == "1023 KiB" and human_bytes(1536 << 20) == "1.5 GiB"
     with pytest.raises(WasteError):
         parse_size("big")
     # A fraction needs a unit: "1.5" is not one byte

@@ -69,6 +69,13 @@ def state_bytes(cfg: ModelConfig, context: int, state_dtype: str = "f32") -> Sta
     )
 
 
+def kda_pending_bytes(cfg: ModelConfig) -> int:
+    """The decode's deferred rank-1 update, kept beside each KDA layer's recurrent state until the
+    next token's pass folds it in (`waste.engine.kda_layer.KDAState`): H x (K + V) float32 a layer.
+    Held by every session, at any context; not part of the seed's state figures (`state_bytes`)."""
+    return len(cfg.kda_layers) * cfg.kda_num_heads * 2 * cfg.kda_head_dim * 4
+
+
 def all_mla_state_bytes(cfg: ModelConfig, context: int, state_dtype: str = "f32") -> int:
     """The attention-side state the same model would need with every layer MLA."""
     return cfg.num_layers * context * cfg.mla_latent_size * STATE_DTYPE_BYTES[state_dtype]
@@ -290,7 +297,8 @@ def format_plan(plan: Plan) -> str:
     total_experts = cfg.num_experts * w.expert_layers
     lines = [
         f"plan: {plan.name} ({cfg.model_type}, {cfg.num_layers} layers: {n_kda} KDA + {n_mla} MLA), "
-        f"context {human_count(plan.context)} = {plan.context:,d} tokens, state {plan.state_dtype}, "
+        f"context {human_count(plan.context)} = {plan.context:,d} token{'s' * (plan.context != 1)}, "
+        f"state {plan.state_dtype}, "
         f"weights {plan.scheme} ({w.source})",
         "session state",
         _row("KDA recurrent state", s.kda_state, f"{n_kda} x {cfg.kda_num_heads} x {cfg.kda_head_dim} x "

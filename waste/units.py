@@ -46,14 +46,18 @@ def parse_size(text: str | int, what: str = "size") -> int:
 
 
 def human_bytes(n: float) -> str:
-    """Bytes in binary units with three significant figures: 414 MiB, 1.50 GiB."""
+    """Bytes in binary units with three significant figures: 414 MiB, 1.5 GiB."""
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            if unit == "B":
+        if unit == "B":
+            if abs(value) < 1024:
                 return f"{int(value)} B"
-            # Three figures, but 1000-1023 in four ("{:.3g}" wrote 1010 MiB as "1.01e+03 MiB").
-            return f"{value:.0f} {unit}" if abs(value) >= 999.5 else f"{value:.3g} {unit}"
+        else:
+            # Three figures, but 1000-1023 in four ("{:.3g}" wrote 1010 MiB as "1.01e+03 MiB"); a
+            # value that rounds to 1024 is the next unit's 1 (1023.7 KiB is "1 MiB", not "1024 KiB").
+            text = f"{value:.0f}" if abs(value) >= 999.5 else f"{value:.3g}"
+            if abs(float(text)) < 1024 or unit == "PiB":
+                return f"{text} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

@@ -12,7 +12,7 @@ from waste.engine.model import Model
 from waste.engine.runner import generate
 from waste.engine.sampling import Sampler
 from waste.engine.trace import TraceRecorder, load
-from waste.plan import state_bytes
+from waste.plan import kda_pending_bytes, state_bytes
 from waste.testing import tiny_container
 
 PROMPT = list(range(3, 53))  # 50 tokens: chunks of 32 cut it at 32
@@ -87,8 +87,8 @@ def test_session_bytes_agree_with_the_planner(q8):
     with open_container(q8) as c:
         model, session, _ = _run(c, PROMPT, 10, Sampler())
         planned = state_bytes(c.config, session.position, "f32")
-    assert session.state_bytes == {"kda_state": planned.kda_state, "conv_rings": planned.conv_rings,
-                                   "mla_latent": planned.mla_latent}
+    assert session.state_bytes == {"kda_state": planned.kda_state, "kda_pending": kda_pending_bytes(c.config),
+                                   "conv_rings": planned.conv_rings, "mla_latent": planned.mla_latent}
 
 
 def test_expert_cache_budgets_give_identical_logits_and_simulated_hits(q8):

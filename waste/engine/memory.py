@@ -11,7 +11,8 @@ will use is loaded or compiled), before it picks the expert store:
                NumPy, Numba and LLVM, the compiled kernels, thread stacks
              + trunk weights (copied into memory when the model loads: Container.hold_trunk_in_memory)
              + MLA absorbed weights (kv_b_proj widened to float32 at load)
-             + session state at the run's context (KDA states, conv rings, MLA latents)
+             + session state at the run's context (KDA states and their pending updates,
+               conv rings, MLA latents)
              + working buffers (one prefill pass's activations, the routed experts one
                layer of that pass holds at once, one group of the routed rows a MoE layer
                runs together, the logits rows of one chunk); while decoding, a decode
@@ -41,7 +42,7 @@ from waste.config import ModelConfig
 from waste.engine.experts import GUESS_LAYERS
 from waste.engine.moe_layer import GROUP_ROWS, MoELayer
 from waste.errors import NonFiniteError, WasteError
-from waste.plan import WeightBytes, container_weight_bytes, state_bytes
+from waste.plan import WeightBytes, container_weight_bytes, kda_pending_bytes, state_bytes
 from waste.units import human_bytes
 
 HEADROOM_FRACTION = 0.05  # of the available RAM, kept free for the allocator, the OS and noise
@@ -308,7 +309,7 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: 
         runtime=int(runtime),
         trunk=weights.trunk,
         mla_weights=mla_weights,
-        state=state_bytes(cfg, context).total,
+        state=state_bytes(cfg, context).total + kda_pending_bytes(cfg),
         working=max(working(tokens, prefill_held), working(1, decode_held)),
         experts_total=weights.experts_total,
         decode_working=working(1, decode_held),

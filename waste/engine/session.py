@@ -53,9 +53,11 @@ class Session:
 
     @property
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of the attention-side state, by kind, as the planner itemises them."""
+        """Bytes of the attention-side state, by kind, as the planner itemises them (`state_bytes`,
+        and `kda_pending_bytes` for the decode's deferred updates)."""
         return {
             "kda_state": sum(s.base.nbytes for s in self.kda.values()),
+            "kda_pending": sum(s.pending_k.nbytes + s.pending_d.nbytes for s in self.kda.values()),
             "conv_rings": sum(s.conv.nbytes for s in self.kda.values()),
             "mla_latent": sum(c.nbytes for c in self.mla.values()),
         }
