@@ -76,6 +76,13 @@ def kda_pending_bytes(cfg: ModelConfig) -> int:
     return len(cfg.kda_layers) * cfg.kda_num_heads * 2 * cfg.kda_head_dim * 4
 
 
+def row_read_bytes(cfg: ModelConfig, weights: WeightBytes) -> int:
+    """Trunk bytes a run reads a row at a time from the container's file instead of holding them:
+    the embedding of a model whose lm_head is a matrix of its own (`waste.container.reader.ROW_READ`);
+    a tied one is the lm_head too, read whole every token."""
+    return 0 if cfg.tie_word_embeddings else weights.by_class.get("embedding", 0)
+
+
 def all_mla_state_bytes(cfg: ModelConfig, context: int, state_dtype: str = "f32") -> int:
     """The attention-side state the same model would need with every layer MLA."""
     return cfg.num_layers * context * cfg.mla_latent_size * STATE_DTYPE_BYTES[state_dtype]

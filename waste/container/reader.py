@@ -41,7 +41,9 @@ from waste.container.format import (
 )
 from waste.container.manifest import Manifest, parse_manifest
 from waste.container.verify import verify_files
+from waste.errors import WasteError
 from waste.fileio import NotRegularFile, open_regular, pread_into
+from waste.qformat import ROWS
 
 # The product kernels (Numba) are imported by the first matrix asked for, not with the reader:
 # `waste info`, `waste verify` and the planner read containers without loading them.
@@ -53,6 +55,9 @@ HUGE_PAGE = 2 << 20  # bytes: x86's transparent huge page
 # Bytes of trunk.bin copied at a time by `hold_trunk_in_memory` before their mapped pages are
 # dropped, so the copy never makes the process hold the trunk twice.
 COPY_STEP = 64 << 20
+# The trunk matrix a token reads one row of, when the lm_head is a matrix of its own: the model reads
+# its rows from trunk.bin (`Container.rows`), and `hold_trunk_in_memory` leaves it out of its copy.
+ROW_READ = "model.embed_tokens.weight"
 _DAMAGED = "the container is damaged (`waste verify` lists every problem; --no-verify skips this check)"
 
 
@@ -103,6 +108,7 @@ class Container:
         self._closed = False
         self._trunk = self._experts = np.zeros(0, np.uint8)
         self.trunk_in_memory = 0  # bytes of the trunk held in anonymous memory (hold_trunk_in_memory)
+        self._trunk_map: np.ndarray | None = None  # trunk.bin's map, once part of it is left out of the copy
         self._expert_copy: np.ndarray | None = None  # (hold_experts_in_memory)
         self._expert_copy_read = self._expert_copy
         self.dir_fd = _open_dir(self.path)
@@ -200,20 +206,50 @@ class Container:
         process; the lm_head's product 14%, KDA's 9%). Views taken before keep the map. The copy
         is read in steps of COPY_STEP, each step's mapped pages dropped after it (they stay in
         the page cache), so the process never holds the trunk twice; `trunk_in_memory` then says
-        its size (the memory planner counts it as the trunk, not as runtime). Idempotent."""
+        how much it holds (the memory planner counts it as the trunk, not as runtime). Idempotent.
+
+        The embedding of a model with an lm_head of its own (ROW_READ) is left out, but for the
+        huge pages at its ends: a token reads one row of it, which the model reads from the file
+        (`rows`), so the memory a copy would take goes to the expert cache instead (383 MiB on the
+        48B q4). Views of it taken afterwards read the map."""
         if self.trunk_in_memory or self._trunk.size == 0:
             return
         n = self._trunk.nbytes
+        skip_lo, skip_hi = self._row_read_span()
         copy = huge_page_buffer(n)
         source = self._trunk.base
         for lo in range(0, n, COPY_STEP):
             hi = min(n, lo + COPY_STEP)
-            copy[lo:hi] = self._trunk[lo:hi]
+            for a, b in ((lo, min(hi, skip_lo)), (max(lo, skip_hi), hi)):  # around the part left out
+                if a < b:
+                    copy[a:b] = self._trunk[a:b]
             if isinstance(source, memoryview) and isinstance(source.obj, mmap.mmap):
                 source.obj.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
         copy.setflags(write=False)  # read-only as the map's views are (the kernels' types stay)
+        self._trunk_map = self._trunk if skip_lo < skip_hi else None
         self._trunk = copy
-        self.trunk_in_memory = n
+        self.trunk_in_memory = n - (skip_hi - skip_lo)
+
+    def _row_read_span(self) -> tuple[int, int]:
+        """The bytes of trunk.bin `hold_trunk_in_memory` leaves out: the huge pages wholly inside an
+        untied embedding ((n, n): none)."""
+        n = self._trunk.nbytes
+        e = self._manifest.tensors.get(ROW_READ)
+        if e is None or self.config.tie_word_embeddings:
+            return n, n
+        lo, hi = -(-e.offset // HUGE_PAGE) * HUGE_PAGE, (e.offset + e.nbytes) // HUGE_PAGE * HUGE_PAGE
+        return (lo, hi) if lo < hi else (n, n)
+
+    def _trunk_base(self, name: str) -> np.ndarray:
+        """What a trunk tensor's views read: the copy in memory, or the map for a tensor left out of it."""
+        return self._trunk_map if name == ROW_READ and self._trunk_map is not None else self._trunk
+
+    def rows(self, name: str) -> FileRows:
+        """A trunk matrix whose rows are read from trunk.bin as they are asked for (`FileRows`)."""
+        e = self.entry(name)
+        if len(e.shape) != 2:
+            raise ContainerError(f"{self.path}: tensor {name!r} has shape {list(e.shape)}, not a matrix")
+        return FileRows(self, e)
 
     def hold_experts_in_memory(self) -> None:
         """From now on `expert` hands out views of a copy in anonymous memory on huge pages, as
@@ -326,7 +362,7 @@ class Container:
         e = self.entry(name)
         if e.storage != "f32":
             raise ContainerError(f"{self.path}: tensor {name!r} is a {e.storage} matrix; use matrix()")
-        return self._views(self._trunk, e, e.offset)["w"]
+        return self._views(self._trunk_base(name), e, e.offset)["w"]
 
     def matrix(self, name: str) -> QMatrix:
         """A weight matrix [N, K] as a QMatrix over the memory map (also 2-D float32 arrays: the router)."""
@@ -335,7 +371,7 @@ class Container:
             raise ContainerError(f"{self.path}: tensor {name!r} has shape {list(e.shape)}, not a matrix")
         from waste.kernels.quant import from_buffers
 
-        return from_buffers(e.storage, (e.shape[0], e.shape[1]), self._views(self._trunk, e, e.offset))
+        return from_buffers(e.storage, (e.shape[0], e.shape[1]), self._views(self._trunk_base(name), e, e.offset))
 
     def _decode(self, base: np.ndarray, start: int) -> tuple[QMatrix, QMatrix, QMatrix]:
         from waste.kernels.quant import from_buffers
@@ -466,7 +502,7 @@ class Container:
         """Release the memory maps (views still alive keep theirs until they are dropped)."""
         self._closed = True
         self._trunk = self._experts = np.zeros(0, np.uint8)
-        self._expert_copy = self._expert_copy_read = None
+        self._trunk_map = self._expert_copy = self._expert_copy_read = None
         for slot in self._watched:
             sigbus.unwatch(slot)  # before the unmapping: the addresses may be reused
         self._watched.clear()
@@ -500,6 +536,80 @@ class Container:
 
     def __repr__(self) -> str:
         return f"Container({str(self.path)!r}, scheme={self.scheme!r}, experts={self.expert_storage!r})"
+
+
+class FileRows:
+    """A trunk matrix [N, K] whose rows are read from trunk.bin as they are asked for, with
+    positional reads through the page cache: for a matrix a token reads one row of (the embedding,
+    ROW_READ), which the process then never holds whole, in its copy or in mapped pages (with large
+    page-cache folios a mapped row brings up to 2 MiB of its neighbours into the RSS).
+
+    `take_rows` gives what `QMatrix.take_rows` gives over the whole matrix, bit for bit: in f32 and
+    bf16 it reads the rows asked for; in the q formats the blocks of ROWS interleaved rows they lie
+    in (codes and scales), from which the matrix's own row kernel takes them. A file cut short since
+    it was opened is named as such."""
+
+    def __init__(self, container: Container, entry: TensorEntry):
+        if entry.storage not in ("f32", "bf16", "q8g", "q4g"):
+            raise ContainerError(f"{container.path}: tensor {entry.name!r} is {entry.storage}, not a trunk format")
+        self.fmt = entry.storage
+        self.shape = (int(entry.shape[0]), int(entry.shape[1]))
+        self._container = container
+        # Per buffer: (dtype, the shape of one unit: a row, or a block of ROWS rows; its bytes; where
+        # unit 0 starts)
+        self._units = {b.name: (np.dtype(b.dtype), tuple(int(d) for d in b.shape[1:]), b.nbytes // int(b.shape[0]),
+                                entry.offset + b.offset) for b in entry.buffers if len(b.shape) > 1}
+        tscale = [b for b in entry.buffers if b.name == "tscale"]
+        self._tscale = (self._read(entry.offset + tscale[0].offset, np.dtype(np.float32), (1,))[0]
+                        if tscale else None)
+
+    def take_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantised rows W[ids]: ids [L] int -> [L, K] float32 (see the class doc)."""
+        from waste.kernels.quant import bf16_to_f32, take_q_rows
+
+        ids = np.asarray(ids)
+        n, k = self.shape
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise WasteError(f"row ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            raise WasteError(f"row id out of range [0, {n}): min {ids.min()}, max {ids.max()}")
+        if self.fmt in ("f32", "bf16"):
+            rows = self._read_units("w", ids)
+            return rows if self.fmt == "f32" else bf16_to_f32(rows)
+        if ids.size == 1:  # a decode step's token
+            blocks, which = ids // ROWS, np.zeros(1, np.int64)
+        else:
+            blocks, which = np.unique(ids // ROWS, return_inverse=True)
+        out = np.empty((len(ids), k), np.float32)
+        take_q_rows(self._read_units("qs", blocks), self._read_units("scales", blocks).view(np.uint16), self._tscale,
+                    (which.reshape(-1) * ROWS + ids % ROWS).astype(np.int64), out)
+        return out
+
+    def _read_units(self, name: str, units: np.ndarray) -> np.ndarray:
+        """Buffer `name`'s units (rows, or row blocks) `units`, read one by one."""
+        dtype, shape, unit_bytes, start = self._units[name]
+        out = np.empty((len(units), *shape), dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        for i, u in enumerate(units.tolist()):
+            self._read_into(flat[i * unit_bytes:(i + 1) * unit_bytes], start + u * unit_bytes)
+        return out
+
+    def _read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        self._read_into(out, offset)
+        return out
+
+    def _read_into(self, out: np.ndarray, offset: int) -> None:
+        c = self._container
+        if c._closed:
+            raise ContainerError(f"{c.path}: container is closed")
+        try:
+            pread_into(c._fds[TRUNK], out if out.dtype == np.uint8 else out.reshape(-1).view(np.uint8), offset)
+        except EOFError:
+            raise ContainerError(f"{c.trunk_path}: cut short during the run (needed {out.nbytes} B at offset "
+                                 f"{offset})") from None
+        except OSError as e:
+            raise ContainerError(f"{c.trunk_path}: reading {out.nbytes} B at offset {offset}: {e.strerror}") from None
 
 
 def open_container(path: str | Path, *, verify: bool = True) -> Container:

@@ -9,7 +9,8 @@ will use is loaded or compiled), before it picks the expert store:
     resident = runtime: what the process then holds besides the terms below, measured (its
                RSS less the container's mapped pages and the MLA weights): the interpreter,
                NumPy, Numba and LLVM, the compiled kernels, thread stacks
-             + trunk weights (copied into memory when the model loads: Container.hold_trunk_in_memory)
+             + trunk weights (copied into memory when the model loads: Container.hold_trunk_in_memory),
+               less an untied embedding, read a row at a time from the file (`resident_trunk`)
              + MLA absorbed weights (kv_b_proj widened to float32 at load)
              + session state at the run's context (KDA states and their pending updates,
                conv rings, MLA latents)
@@ -39,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from waste.config import ModelConfig
+from waste.container.reader import HUGE_PAGE
 from waste.engine.experts import GUESS_LAYERS
 from waste.engine.moe_layer import GROUP_ROWS, MoELayer
 from waste.errors import NonFiniteError, WasteError
-from waste.plan import WeightBytes, container_weight_bytes, kda_pending_bytes, state_bytes
+from waste.plan import WeightBytes, container_weight_bytes, kda_pending_bytes, row_read_bytes, state_bytes
+from waste.qformat import ROWS
 from waste.units import human_bytes
 
 HEADROOM_FRACTION = 0.05  # of the available RAM, kept free for the allocator, the OS and noise
@@ -268,6 +271,18 @@ def plan_run_memory(container: Any, context: int, *, chunk: int, pass_tokens: in
                        available=available)
 
 
+def resident_trunk(cfg: ModelConfig, weights: WeightBytes, tokens: int) -> int:
+    """The trunk bytes a run whose passes take up to `tokens` tokens holds: all of them, but of an
+    untied embedding (`row_read_bytes`, read from the file: `waste.container.reader.FileRows`) only
+    the huge pages at its two ends, which the copy in memory keeps, and what one pass reads of it:
+    a row block of ROWS rows per token (the q formats' interleave), at most."""
+    row_read = row_read_bytes(cfg, weights)
+    if not row_read:
+        return weights.trunk
+    one_pass = min(row_read, max(tokens, 1) * ROWS * row_read // cfg.vocab_size)
+    return min(weights.trunk, weights.trunk - row_read + 2 * HUGE_PAGE + one_pass)
+
+
 def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: int, pass_tokens: int, runtime: int,
                 decode_tokens: int, all_logits: bool = False, available: int | None = None) -> MemoryPlan:
     """The memory plan of a run of a model with these weights (`waste.plan`'s figures) reaching
@@ -307,7 +322,7 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, context: int, *, chunk: 
         available=avail,
         headroom=headroom,
         runtime=int(runtime),
-        trunk=weights.trunk,
+        trunk=resident_trunk(cfg, weights, tokens),
         mla_weights=mla_weights,
         state=state_bytes(cfg, context).total + kda_pending_bytes(cfg),
         working=max(working(tokens, prefill_held), working(1, decode_held)),

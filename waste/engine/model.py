@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from waste.container.reader import ROW_READ
 from waste.engine.expert_store import ExpertStore, MmapExpertStore
 from waste.engine.experts import GUESS_LAYERS
 from waste.engine.kda_layer import KDALayer
@@ -148,8 +149,10 @@ class Model:
         self.guess_experts = True  # a decode step reads the next MoE layer's guessed experts ahead (_guess)
         self.times = LayerTimes()
         get_matrix, get_tensor = container.matrix, container.tensor
-        self.embed = get_matrix("model.embed_tokens.weight")
-        # Tied embeddings (docs/CONTAINER.md): the output projection is the embedding matrix itself.
+        # A token reads one row of an untied embedding: its rows come from the file as asked for
+        # (Container.rows), the memory a copy would take left to the expert cache. Tied embeddings
+        # (docs/CONTAINER.md): the output projection is the embedding matrix itself, read whole.
+        self.embed = get_matrix(ROW_READ) if cfg.tie_word_embeddings else container.rows(ROW_READ)
         self.lm_head = self.embed if cfg.tie_word_embeddings else get_matrix("lm_head.weight")
         self.final_norm = get_tensor("model.norm.weight")
         self.input_norms, self.post_norms, self.attn, self.ffn = [], [], [], []

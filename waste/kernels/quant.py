@@ -128,7 +128,7 @@ class QMatrix:
         if self.fmt == "f32":
             return self.buffers["w"]
         if self.fmt == "bf16":
-            return _bf16_to_f32(self.buffers["w"])
+            return bf16_to_f32(self.buffers["w"])
         return self.take_rows(np.arange(self.shape[0]))
 
     def take_rows(self, ids: np.ndarray) -> np.ndarray:
@@ -142,12 +142,12 @@ class QMatrix:
         if self.fmt == "f32":
             return np.ascontiguousarray(self.buffers["w"][ids])
         if self.fmt == "bf16":
-            return _bf16_to_f32(self.buffers["w"][ids])
+            return bf16_to_f32(self.buffers["w"][ids])
         if self.fmt == "mxfp4":
             return mxfp4.dequantize_mxfp4(self.buffers["packed"][ids], self.buffers["scales"][ids])
         out = np.empty((len(ids), k), np.float32)
         qs, scales, tscale = self._qargs[:3]  # type: ignore[attr-defined]
-        _take_q_rows(qs, scales, tscale[0], ids.astype(np.int64), out)
+        take_q_rows(qs, scales, tscale[0], ids.astype(np.int64), out)
         return out
 
 
@@ -156,7 +156,7 @@ CODE_OFFSET_Q4 = CODE_OFFSET["q4g"]
 
 
 @kernel(fastmath=False)
-def _take_q_rows(qs, scales, tscale, ids, out):
+def take_q_rows(qs, scales, tscale, ids, out):
     """out [L, K] = rows ids [L] of a q8g (int8 codes) or q4g (uint8, two a byte) matrix: each
     code times its group's scale times tscale, in float32 (scale x tscale is exact: tscale is a
     power of two). One call with no temporaries: in a decode step's embedding lookup NumPy's
@@ -246,7 +246,7 @@ def quantization_snr_db(w: np.ndarray, fmt: str, x: np.ndarray) -> float:
 # -- float32 and bfloat16 ----------------------------------------------------------------------
 
 
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bits [..] uint16 -> float32: the upper half of a float32."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
