@@ -176,8 +176,9 @@ class Plan:
 
     @property
     def resident(self) -> int:
-        """RAM that must be resident whatever the cache: trunk weights plus session state."""
-        return self.weights.trunk + self.state.total
+        """RAM that must be resident whatever the cache: the trunk weights, but an untied embedding
+        (read a row at a time from the container: `row_read_bytes`), plus the session state."""
+        return self.weights.trunk - row_read_bytes(self.config, self.weights) + self.state.total
 
     def cache_room_at(self, ram: int) -> int:
         """RAM left for the expert cache under a budget of `ram` bytes (negative: does not fit)."""
@@ -326,7 +327,7 @@ def format_plan(plan: Plan) -> str:
         _row("expert bytes touched per token", plan.touched_per_token,
              f"top-{cfg.num_experts_per_token} x {w.expert_layers} layers"),
         _row("weights total (trunk + experts)", w.trunk + w.experts_total),
-        _row("resident (trunk + state)", plan.resident),
+        _row("resident (trunk + state)", plan.resident, "embedding read from disk" if row_read_bytes(cfg, w) else ""),
     ]
     for ram in DEFAULT_BUDGETS if plan.ram is None else (plan.ram,):
         room, fit, fraction = plan.cache_room_at(ram), plan.experts_fit_at(ram), plan.experts_fit_fraction_at(ram)

@@ -32,7 +32,8 @@ def test_breakdown_parts_add_up_to_the_plan():
     plan = make_plan("tiny", scheme="f32", context=1024)
     parts = plan_breakdown(plan)
     assert tuple(parts) == PLAN_PARTS
-    assert sum(parts.values()) == plan.resident + plan.weights.experts_total
+    assert sum(parts.values()) == plan.resident + parts["row_read"] + plan.weights.experts_total
+    assert parts["row_read"] == 4 * 512 * 64  # tiny's untied f32 embedding: read from disk, not resident
     assert parts["mla_latent"] == 2 * 1024 * 40 * 4
 
 

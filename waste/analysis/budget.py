@@ -44,15 +44,18 @@ import numpy as np
 from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.jit import parallel_kernel, prange
-from waste.plan import Plan, all_mla_state_bytes, state_bytes
+from waste.plan import Plan, all_mla_state_bytes, row_read_bytes, state_bytes
 
 # Segment names of a plan in the order the stacked bars draw them.
-PLAN_PARTS = ("kda_state", "conv_rings", "mla_latent", "trunk", "experts")
+# "trunk": what RAM holds of it; "row_read": an untied embedding, read a row at a time from disk
+# (`waste.plan.row_read_bytes`); "experts": all of them, on disk.
+PLAN_PARTS = ("kda_state", "conv_rings", "mla_latent", "trunk", "row_read", "experts")
 PLAN_PART_LABELS = {
     "kda_state": "KDA state",
     "conv_rings": "conv rings",
     "mla_latent": "MLA latent",
     "trunk": "trunk weights",
+    "row_read": "embedding (on disk)",
     "experts": "routed experts",
     "expert_cache": "expert cache",
     "free": "unused",
@@ -64,12 +67,14 @@ PREDICT_DECODE_TOKENS = 64
 
 
 def plan_breakdown(plan: Plan) -> dict[str, int]:
-    """Bytes of each part of a plan, keyed by PLAN_PARTS (experts: all of them, on disk)."""
+    """Bytes of each part of a plan, keyed by PLAN_PARTS."""
+    row_read = row_read_bytes(plan.config, plan.weights)
     return {
         "kda_state": plan.state.kda_state,
         "conv_rings": plan.state.conv_rings,
         "mla_latent": plan.state.mla_latent,
-        "trunk": plan.weights.trunk,
+        "trunk": plan.weights.trunk - row_read,
+        "row_read": row_read,
         "experts": plan.weights.experts_total,
     }
 
@@ -81,7 +86,7 @@ def ram_breakdown(plan: Plan) -> dict[str, int]:
     if plan.ram is None:
         raise WasteError("ram_breakdown needs a plan made with a RAM budget (ram=...)")
     cache = (plan.experts_fit or 0) * plan.weights.per_expert
-    parts = {k: v for k, v in plan_breakdown(plan).items() if k != "experts"}
+    parts = {k: v for k, v in plan_breakdown(plan).items() if k not in ("row_read", "experts")}
     parts["expert_cache"] = cache
     parts["free"] = plan.ram - plan.resident - cache
     return parts

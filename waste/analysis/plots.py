@@ -19,6 +19,7 @@ _PART_COLORS = {
     "conv_rings": "#aec7e8",
     "mla_latent": "#ff7f0e",
     "trunk": "#2ca02c",
+    "row_read": "#98df8a",
     "experts": "#9467bd",
     "expert_cache": "#c5b0d5",
     "free": "#eeeeee",
