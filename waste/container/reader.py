@@ -41,7 +41,6 @@ from waste.container.format import (
 )
 from waste.container.manifest import Manifest, parse_manifest
 from waste.container.verify import verify_files
-from waste.errors import WasteError
 from waste.fileio import NotRegularFile, open_regular, pread_into
 from waste.qformat import ROWS
 
@@ -565,14 +564,9 @@ class FileRows:
 
     def take_rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantised rows W[ids]: ids [L] int -> [L, K] float32 (see the class doc)."""
-        from waste.kernels.quant import bf16_to_f32, take_q_rows
+        from waste.kernels.quant import bf16_to_f32, checked_row_ids, take_q_rows
 
-        ids = np.asarray(ids)
-        n, k = self.shape
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise WasteError(f"row ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            raise WasteError(f"row id out of range [0, {n}): min {ids.min()}, max {ids.max()}")
+        ids = checked_row_ids(ids, self.shape[0])
         if self.fmt in ("f32", "bf16"):
             rows = self._read_units("w", ids)
             return rows if self.fmt == "f32" else bf16_to_f32(rows)
@@ -580,7 +574,7 @@ class FileRows:
             blocks, which = ids // ROWS, np.zeros(1, np.int64)
         else:
             blocks, which = np.unique(ids // ROWS, return_inverse=True)
-        out = np.empty((len(ids), k), np.float32)
+        out = np.empty((len(ids), self.shape[1]), np.float32)
         take_q_rows(self._read_units("qs", blocks), self._read_units("scales", blocks).view(np.uint16), self._tscale,
                     (which.reshape(-1) * ROWS + ids % ROWS).astype(np.int64), out)
         return out

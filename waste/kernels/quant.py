@@ -133,12 +133,8 @@ class QMatrix:
 
     def take_rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantised rows W[ids]: ids [L] int -> [L, K] float32 (the embedding lookup)."""
-        ids = np.asarray(ids)
-        n, k = self.shape
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise WasteError(f"row ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            raise WasteError(f"row id out of range [0, {n}): min {ids.min()}, max {ids.max()}")
+        ids = checked_row_ids(ids, self.shape[0])
+        k = self.shape[1]
         if self.fmt == "f32":
             return np.ascontiguousarray(self.buffers["w"][ids])
         if self.fmt == "bf16":
@@ -149,6 +145,16 @@ class QMatrix:
         qs, scales, tscale = self._qargs[:3]  # type: ignore[attr-defined]
         take_q_rows(qs, scales, tscale[0], ids.astype(np.int64), out)
         return out
+
+
+def checked_row_ids(ids: np.ndarray, n: int) -> np.ndarray:
+    """`ids` as an array, refused unless a 1-D integer array of rows in [0, n)."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise WasteError(f"row ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+        raise WasteError(f"row id out of range [0, {n}): min {ids.min()}, max {ids.max()}")
+    return ids
 
 
 Q4_BLOCK_BYTES = BLOCK_BYTES["q4g"]
