@@ -273,7 +273,7 @@ def plan_run_memory(container: Any, context: int, *, chunk: int, pass_tokens: in
 
 def resident_trunk(cfg: ModelConfig, weights: WeightBytes, tokens: int) -> int:
     """The trunk bytes a run whose passes take up to `tokens` tokens holds: all of them, but of an
-    untied embedding (`row_read_bytes`, read from the file: `waste.container.reader.FileRows`) only
+    untied embedding (`row_read_bytes`, read from the file: `waste.container.rows.FileRows`) only
     the huge pages at its two ends, which the copy in memory keeps, and what one pass reads of it:
     a row block of ROWS rows per token (the q formats' interleave), at most."""
     row_read = row_read_bytes(cfg, weights)
