@@ -420,8 +420,9 @@ PORTABLE_PREFETCH_ROWS = 16
 # EPYC (2026-12-05; from memory, 2 threads; 256 to 32000 rows of 256 or 1024 inputs) one row at a
 # time, a single stream through the rows, ran 1.3-2x as fast as four rows side by side in f32
 # (32-46 against 18-33 GB/s), vdpbf16ps (31-58 against 20-28) and the portable bf16 path (29-48
-# against 18-27, with or without its prefetch, which then only slowed it). Elsewhere four, as
-# chosen before (not measured against one). Each output's operations are the same either way.
+# against 18-27, with or without its prefetch, which then only slowed it). AMD's other cores (Zen
+# 3, Zen 5) take it unmeasured; Intel keeps four, as chosen before (not measured against one).
+# Each output's operations are the same either way, so the bits are too.
 ONE_TOKEN_ROW_TILE = 1 if host_vendor() == "AuthenticAMD" else ROW_TILE
 _rows_tile = make_tile(ONE_TOKEN_ROW_TILE, 1, PORTABLE_PREFETCH_ROWS if ONE_TOKEN_ROW_TILE > 1 else 0)
 _tokens_tile = make_tile(1, TOKEN_TILE)
