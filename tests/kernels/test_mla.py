@@ -174,15 +174,16 @@ def test_heads_times_matches_float64_and_ignores_row_count() -> None:
         heads_times(x, w[:, :19])
 
 
-def test_heads_dot_matches_float64_and_ignores_row_count() -> None:
+@pytest.mark.parametrize("width", [20, 75])  # inside one block of 32 inputs; two blocks and a partial one
+def test_heads_dot_matches_float64_and_ignores_row_count(width: int) -> None:
     rng = np.random.default_rng(13)
-    x = rng.standard_normal((9, H, 20)).astype(np.float32)
-    w = rng.standard_normal((H, 11, 20)).astype(np.float32)  # 11 rows: a group of eight and three more
+    x = rng.standard_normal((9, H, width)).astype(np.float32)
+    w = rng.standard_normal((H, 11, width)).astype(np.float32)  # 11 rows: not a multiple of a one-token tile's four
     y = heads_dot(x, w)
     assert_close(y, np.einsum("tha,hba->thb", x.astype(np.float64), w.astype(np.float64)), RTOL)
     np.testing.assert_array_equal(heads_dot(x[4:6], w), y[4:6])
     with pytest.raises(WasteError):
-        heads_dot(x, w[:, :, :19])
+        heads_dot(x, w[:, :, :width - 1])
 
 
 @pytest.mark.parametrize("n", [5, 300, 2100])
