@@ -276,6 +276,8 @@ def convert(hf_dir: str | Path, out: str | Path, *, quant: str = "q8", experts: 
     src, dst = hf_dir.resolve(), out.resolve()
     if dst == src or dst in src.parents:
         raise WasteError(f"{out}: is or contains the checkpoint {hf_dir} being converted; choose another output")
+    # Before reading the checkpoint, so that a refused output fails at once; ContainerWriter
+    # checks again when it opens (it also serves synth, which has no such early point).
     check_output_dir(out, "waste container", force, is_container_dir)
     cfg = load_config_file(hf_dir / "config.json")
     expert_storage(cfg, quant, experts)  # a bad --experts fails before any reading
