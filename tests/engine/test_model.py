@@ -251,6 +251,34 @@ def test_decode_through_expert_tables_equals_the_store_path(tmp_path_factory, mo
     assert len(argument_types) == 1 and all(len(types) == 1 for types in argument_types.values()), argument_types
 
 
+@pytest.mark.parametrize("quant", ["q8", "bf16"])
+def test_a_prefill_through_the_map_fills_the_decode_tables(tmp_path_factory, monkeypatch, quant):
+    """The experts a prefill ran through the memory map are in their layers' decode tables when
+    it ends, so a decode step whose experts the prompt used runs each MoE layer in one call, not
+    through the path that adds an expert at its first decode (`MoELayer._one_token`)."""
+    from waste.engine.expert_store import MmapExpertStore
+    from waste.engine.moe_layer import MoELayer
+
+    path = tiny_container(tmp_path_factory.mktemp("prefill-tables"), quant=quant)
+    with open_container(path) as c:
+        store = MmapExpertStore(c)
+        model = Model(c, store=store)
+        session = model.new_session(64)
+        model.prefill(session, _prompt(40, c.config.vocab_size))
+        moe = [f for f in model.ffn if isinstance(f, MoELayer)]
+        experts = c.config.num_experts
+        assert moe
+        for f in moe:
+            handed_out = {e for e, view in enumerate(store._views[f.layer_index]) if view is not None}
+            assert len(handed_out) == experts  # 40 tokens route to every one of tiny's experts
+            assert f._tables is not None and f._tables.usable
+            assert set(np.flatnonzero(f._tables.known[:experts])) == handed_out
+        slow = []
+        monkeypatch.setattr(MoELayer, "_one_token", lambda *a, **k: slow.append(1))
+        model.decode(session, 3)
+        assert not slow
+
+
 class _Routing:
     """Every prefill request's token-expert pairs and unique experts, as the observer sees them."""
 
