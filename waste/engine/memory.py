@@ -226,12 +226,13 @@ def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbias
     those) and the MLA weights. That is the interpreter, NumPy, Numba and LLVM, the compiled
     kernels, the threads' stacks and whatever the model keeps besides.
 
-    The warm-up runs two prompt tokens, one decoded token and a one-token prompt through each
-    kind of expert store, one that streams and caches nothing and the memory map: the run picks
-    its store after this measurement, and their paths differ (fetched experts, or the map's MoE
-    step in one call; a one-token prompt runs one-token products), so a kernel the warm-up had
-    not met would be loaded or compiled beyond the plan (with an empty kernel cache on `tiny`,
-    250 MiB). The model's store is closed; give it the run's (`model.store = ...`)."""
+    The warm-up runs two prompt tokens, one decoded token (through the map twice, see below)
+    and a one-token prompt through each kind of expert store, one that streams and caches
+    nothing and the memory map: the run picks its store after this measurement, and their paths
+    differ (fetched experts, or the map's MoE step in one call; a one-token prompt runs one-token
+    products), so a kernel the warm-up had not met would be loaded or compiled beyond the plan
+    (with an empty kernel cache on `tiny`, 250 MiB). The model's store is closed; give it the
+    run's (`model.store = ...`)."""
     from waste.engine.experts import MmapExpertStore, StreamingExpertStore
     from waste.engine.model import LayerTimes, Model
 
@@ -241,15 +242,22 @@ def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbias
         session = model.new_session(4)
         try:
             model.prefill(session, [0, 1], chunk=chunk, all_logits=False)
+            if store.maps_every_expert:
+                # The map's decode runs a MoE layer in one call when the layer's tables hold every
+                # expert the step routes to (a prefill enters the ones it ran), else through the
+                # path that enters them: this step meets that path (tables dropped), the same step
+                # replayed in a new session, whose routing is the same, the one call.
+                _drop_decode_tables(model)
+                model.decode(session, 0)
+                session = model.new_session(4)
+                model.prefill(session, [0, 1], chunk=chunk, all_logits=False)
             model.decode(session, 0)
             model.prefill(session, [1], chunk=chunk, all_logits=False)
         except NonFiniteError as e:
             raise NonFiniteError(f"{e} (in the warm-up on token ids 0, 1 before the prompt)") from None
         finally:
             model.store.close()
-    for ffn in model.ffn:
-        if isinstance(ffn, MoELayer):
-            ffn.drop_tables()
+    _drop_decode_tables(model)
     # The map's pass left the experts it used mapped into the process: file pages in its RSS that
     # a streaming run would carry past its plan (1.5 GB on the 48B q4). Unmapped, the page cache
     # keeps them.
@@ -260,6 +268,12 @@ def measure_runtime(container: Any, *, chunk: int, router_weights: str = "unbias
     runtime = (current_rss() - mapped_rss(container.data_fds()) - container.trunk_in_memory
                - mla_weight_bytes(container.config))
     return model, max(runtime, 0)
+
+
+def _drop_decode_tables(model: Any) -> None:
+    for ffn in model.ffn:
+        if isinstance(ffn, MoELayer):
+            ffn.drop_tables()
 
 
 def plan_run_memory(container: Any, context: int, *, chunk: int, pass_tokens: int, runtime: int, decode_tokens: int,
