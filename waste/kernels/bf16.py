@@ -38,7 +38,7 @@ from waste.jit import kernel, parallel_kernel, prange
 DENSE_FORMATS = ("f32", "bf16")  # the QMatrix formats of these products (dense_products)
 LANES = 16  # float32 lanes of one 512-bit accumulator
 PAIR_BLOCK = 2 * LANES  # bf16 inputs one vdpbf16ps consumes per row
-ROW_TILE = 4  # rows sharing one pass over a token's activations (one-token products)
+ROW_TILE = 4  # rows sharing one pass over activations (one-token products off AMD: ONE_TOKEN_ROW_TILE)
 # Rows of one parallel work item of a one-token product: ROW_TILE tiles in a row. Items of one
 # tile (16 KiB of f32 weights at width 1024) cost more to hand out than they stream: on the Zen 5
 # EPYC (2026-12-03), 18 `mini` f32 gate/up matrices in one call streamed at 26.8-37.0 GB/s
@@ -424,7 +424,6 @@ PORTABLE_PREFETCH_ROWS = 16
 # 3, Zen 5) take it unmeasured; Intel keeps four, as chosen before (not measured against one).
 # Each output's operations are the same either way, so the bits are too.
 ONE_TOKEN_ROW_TILE = 1 if host_vendor() == "AuthenticAMD" else ROW_TILE
-_rows_tile = make_tile(ONE_TOKEN_ROW_TILE, 1, PORTABLE_PREFETCH_ROWS if ONE_TOKEN_ROW_TILE > 1 else 0)
 _tokens_tile = make_tile(1, TOKEN_TILE)
 _block_tile = make_tile(CHUNK_ROW_TILE, TOKEN_TILE)
 # The 1-3 tokens a chunk leaves after its tiles of TOKEN_TILE, CHUNK_ROW_TILE rows at a time: one
@@ -433,6 +432,7 @@ _block_tile = make_tile(CHUNK_ROW_TILE, TOKEN_TILE)
 # 22-44 tokens each) 13.5 -> 11.2-11.6 ms (gate and up), 5.0-6.4 -> 4.7-5.3 (down).
 _rest_1, _rest_2, _rest_3 = (make_tile(CHUNK_ROW_TILE, tokens) for tokens in (1, 2, 3))
 _one = make_tile(1, 1)
+_rows_tile = _one if ONE_TOKEN_ROW_TILE == 1 else make_tile(ROW_TILE, 1, PORTABLE_PREFETCH_ROWS)
 
 
 @kernel
