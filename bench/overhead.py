@@ -12,8 +12,12 @@ step reads, 112.6 MB of weights, streamed before each call).
 - one MoE layer's decode step of `mini` q4 (`MoELayer.forward`), its kernel call
   (`_moe_one_token`, Numba's dispatch included) timed apart: the rest is the Python around it.
 
-The two sides of each pair alternate call by call; medians over --rounds calls. Prints a table,
-writes bench/results/overhead.json. Asserts nothing.
+The two sides of each pair alternate call by call; medians over --rounds calls. "In a step":
+the dispatch and region pairs once more, each call made before every attention and FFN layer of
+`mini` q4 decode steps (steps with either call or with neither, in turn): the median step's growth
+over the calls it made. That is what a call costs where a decode makes it; "cold" (after 128 MiB
+streamed, several milliseconds in which the pool's worker goes to sleep) overstates it. Prints a
+table, writes bench/results/overhead.json. Asserts nothing.
 
     python bench/overhead.py [--rounds 300]
 """
@@ -109,6 +113,46 @@ def _moe_layer_step(model: Model, rng: np.random.Generator) -> tuple[Callable[[]
     return step, kernel_seconds
 
 
+def _in_decode_steps(model: Model, calls: dict[str, Callable[[], Any]], rounds: int,
+                     rng: np.random.Generator) -> dict[str, float]:
+    """Microseconds each of `calls` adds to a decode step when it is made before every attention
+    and FFN layer: steps alternate between each call and none; the median step's growth over the
+    step without, per call made."""
+    extra: dict[str, Callable[[], Any] | None] = {"call": None}
+
+    def before(method: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any) -> Any:
+            if extra["call"] is not None:
+                extra["call"]()
+            return method(*args)
+        return wrapped
+
+    for attn in model.attn:
+        attn.decode = before(attn.decode)
+    for ffn in model.ffn:
+        ffn.forward = before(ffn.forward)
+    per_step = 2 * len(model.attn)
+    options: dict[str, Callable[[], Any] | None] = {"none": None, **calls}
+    steps: dict[str, list[float]] = {name: [] for name in options}
+    session = model.new_session(512)
+    try:
+        for _ in range(rounds):
+            for name, call in options.items():
+                if session.position >= 500:
+                    session = model.new_session(512)
+                extra["call"] = call
+                t0 = time.perf_counter()
+                model.decode(session, int(rng.integers(0, model.config.vocab_size)))
+                steps[name].append(time.perf_counter() - t0)
+    finally:  # the classes' methods again
+        for attn in model.attn:
+            del attn.decode
+        for ffn in model.ffn:
+            del ffn.forward
+    base = float(np.median(steps["none"]))
+    return {name: (float(np.median(steps[name])) - base) / per_step * 1e6 for name in calls}
+
+
 def measure(rounds: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     flush = np.ones(COLD_BYTES // 4, np.float32)
@@ -152,6 +196,9 @@ def measure(rounds: int) -> dict[str, Any]:
             embed_state["i"] += 1
             model.embed.take_rows(ids[embed_state["i"] % len(ids):][:1])
 
+        for name, fns in groups[:2]:  # the dispatch and region pairs where a decode makes its calls
+            for label, us in _in_decode_steps(model, fns, rounds, rng).items():
+                rows.append({"group": name, "what": label, "caches": "in a step", "us": us})
         groups.append(("embedding", {"take_rows, one id": embed_row}))
         unpatched = moe_kernels._moe_one_token
         step, kernel_seconds = _moe_layer_step(model, rng)
