@@ -4,8 +4,9 @@ The values are exactly those `waste.synth` writes to a float32 checkpoint (each 
 its own generator seeded by (seed, CRC32 of its name)), and they go through the same
 `ContainerWriter` as `waste convert`, so the container's trunk.bin and experts.bin are byte
 for byte those of `synth --dtype f32` followed by `convert` (a test holds it); only the
-manifest's `source` differs. No checkpoint is written: Kimi-Linear-48B-A3B would take 96 GB
-in bf16, its q4 container takes 27 GB.
+manifest's `source` differs. A K3 config's routed experts are MXFP4, quantised as synth's
+checkpoint has them and stored so, as convert stores a checkpoint's. No checkpoint is written:
+Kimi-Linear-48B-A3B would take 96 GB in bf16, its q4 container takes 27 GB.
 
 Work is a pipeline: a small thread pool draws tensors' values (NumPy's generators release
 the GIL while they fill), the calling thread quantises each (the Numba quantiser, itself on
@@ -26,10 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from waste.config import ModelConfig
+from waste.config import ModelConfig, parse_config
 from waste.container.format import SCHEMES, expected_tensors, parse_expert_name
 from waste.container.writer import ContainerWriter
 from waste.errors import WasteError
+from waste.kernels.mxfp4 import quantize_mxfp4
+from waste.kernels.quant import QMatrix, from_buffers
 from waste.synth import checkpoint_tensors, resolve_config, synth_values
 from waste.tokenizer import CONTAINER_DIR as TOKENIZER_DIR
 from waste.tokenizer import file_record, synthetic_tokenizer_files
@@ -44,10 +47,12 @@ def synthesize_container(cfg_or_preset: ModelConfig | dict[str, Any] | str | Pat
     """Write a container of random weights for a config at `out` (scheme `quant`); its path."""
     from tqdm import tqdm
 
-    cfg = resolve_config(cfg_or_preset)
-    if cfg.expert_quant is not None:
-        raise WasteError(f"synth --quant draws float experts; this config ships {cfg.expert_quant} experts: "
-                         "use waste synth then waste convert")
+    hf = resolve_config(cfg_or_preset).to_hf_dict()
+    hf["dtype"] = "float32"  # the values are drawn in float32: the config synth's f32 checkpoint records
+    cfg = parse_config(hf)
+    if cfg.expert_quant not in (None, "mxfp4"):
+        raise WasteError(f"synth --quant cannot write {cfg.expert_quant} experts: use waste synth then waste convert")
+    mxfp4 = cfg.expert_quant == "mxfp4"
     if quant not in SCHEMES:
         raise WasteError(f"unknown quantisation scheme {quant!r}; expected one of {', '.join(SCHEMES)}")
     if threads < 1:
@@ -83,7 +88,9 @@ def synthesize_container(cfg_or_preset: ModelConfig | dict[str, Any] | str | Pat
             values = future.result()
             expert = parse_expert_name(name)
             if expert is not None:
-                w.write_expert(*expert, values)
+                # A K3 config ships MXFP4 experts: quantised as synth writes them to its checkpoint,
+                # kept as they are by the writer (as convert keeps a checkpoint's).
+                w.write_expert(*expert, _mxfp4_matrix(values) if mxfp4 else values)
             else:
                 w.write_tensor(name, values)
             del values
@@ -91,6 +98,11 @@ def synthesize_container(cfg_or_preset: ModelConfig | dict[str, Any] | str | Pat
             bar.update(nbytes)
         w.add_files(TOKENIZER_DIR, tokenizer)
         return w.finish()
+
+
+def _mxfp4_matrix(values: np.ndarray) -> QMatrix:
+    packed, scales = quantize_mxfp4(values)
+    return from_buffers("mxfp4", values.shape, {"packed": packed, "scales": scales})
 
 
 def cmd_synth_container(args: argparse.Namespace) -> int:

@@ -52,6 +52,22 @@ def test_same_bytes_as_synth_then_convert(tmp_path: Path, quant: str) -> None:
         assert c.manifest["source"]["synth"] == {"seed": 3, "dtype": "f32"}
 
 
+@pytest.mark.parametrize(("preset", "quant"), [("k3-tiny", "q8"), ("k3-tiny", "f32"), ("k3-mini", "q4")])
+def test_k3_same_bytes_as_synth_then_convert(tmp_path: Path, preset: str, quant: str) -> None:
+    """A K3 config's routed experts go in as MXFP4, the bytes synth's checkpoint holds and convert
+    keeps: the same container as synth then convert, its experts MXFP4 (was refused)."""
+    hf = synthesize(preset, tmp_path / "hf", seed=5, dtype="f32")
+    via_checkpoint = convert(hf, tmp_path / "a.waste", quant=quant, progress=False)
+    direct = synthesize_container(preset, tmp_path / "b.waste", quant=quant, seed=5, progress=False, threads=2,
+                                  max_pending_bytes=1)
+    for name in ("trunk.bin", "experts.bin"):
+        assert (direct / name).read_bytes() == (via_checkpoint / name).read_bytes(), name
+    assert _manifest_without_source(direct) == _manifest_without_source(via_checkpoint)
+    with open_container(direct) as c:
+        c.verify()
+        assert c.byte_counts()["expert_storage"] == "mxfp4"
+
+
 def test_cli_writes_a_container(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "tiny.waste"
     assert main(["synth", "tiny", str(out), "--quant", "q4", "--seed", "1", "--quiet"]) == 0
