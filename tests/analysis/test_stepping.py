@@ -186,8 +186,9 @@ def test_stepping_k3_reads_the_attn_res_mixes(k3):
             for site in ("attn", "ffn"):
                 w = x.attn_res[site]
                 assert w.size == len(attn_res_candidates(x.layer, site, S))
-                np.testing.assert_array_equal(w, seen[(x.layer, site)])
-                np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-6)
+                where = f"position {r.position}, layer {x.layer}, {site}"
+                np.testing.assert_array_equal(w, seen[(x.layer, site)], err_msg=where)
+                np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-6, err_msg=where)
             if x.layer in cfg.moe_layers:
                 # The engine's routing weights follow from the router scores of the FFN mix the stepper saw.
                 s = x.router_scores[x.expert_ids]

@@ -140,11 +140,13 @@ def test_decode_probabilities_match_reference() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["q8g", "q4g"])
-def test_decode_step_in_one_call_equals_call_by_call(fmt: str) -> None:
-    """A plain-query layer of q products decodes in one kernel call (waste.kernels.mla_step):
-    outputs, cache rows and attention weights bit for bit those of the call-by-call step, across
-    the context length where the attention's token ranges go from one to two (DECODE_RANGE)."""
-    cfg = _config("kimi_linear")
+@pytest.mark.parametrize("kind", ["kimi_linear", "k3"])
+def test_decode_step_in_one_call_equals_call_by_call(fmt: str, kind: str) -> None:
+    """A layer of q products decodes in one kernel call (waste.kernels.mla_step), with a plain
+    query or K3's low-rank one and output gate: outputs, cache rows and attention weights bit for
+    bit those of the call-by-call step, across the context length where the attention's token
+    ranges go from one to two (DECODE_RANGE)."""
+    cfg = _config(kind)
     rng = np.random.default_rng(8)
     w = _weights(cfg, rng)
     fused, by_call = _layer(cfg, w, fmt), _layer(cfg, w, fmt)
@@ -164,10 +166,8 @@ def test_decode_step_in_one_call_equals_call_by_call(fmt: str) -> None:
     with pytest.raises(WasteError, match="MLA decode input must have"):
         fused.decode(np.zeros(cfg.hidden_size + 1, np.float32), caches[0])
     assert caches[0].length == 260
-    # The other forms decode call by call.
-    assert _layer(cfg, w)._step_args is None  # float weights
-    k3 = _config("k3")
-    assert _layer(k3, _weights(k3, rng), fmt)._step_args is None  # low-rank query, output gate
+    assert (fused.q_b_proj is not None, fused.g_proj is not None) == ((True, True) if kind == "k3" else (False, False))
+    assert _layer(cfg, w)._step_args is None  # float weights decode call by call
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8g"])

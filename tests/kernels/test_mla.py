@@ -13,8 +13,8 @@ import pytest
 from conftest import assert_close
 
 from waste.errors import WasteError
-from waste.kernels.mla import KEY_BLOCK, heads_dot, heads_times, mla_decode, mla_prefill
-from waste.reference.mla import mla_attention
+from waste.kernels.mla import GATE_SERIAL_ROWS, KEY_BLOCK, heads_dot, heads_times, mla_decode, mla_prefill, output_gate
+from waste.reference.mla import mla_attention, sigmoid
 
 RTOL = 1e-5
 H, NOPE, ROPE, V, R = 3, 16, 8, 12, 32
@@ -205,3 +205,21 @@ def test_decode_does_not_depend_on_the_thread_count(n: int) -> None:
         numba.set_num_threads(before)
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+def test_output_gate_against_float64_and_alike_for_every_row_count() -> None:
+    """K3's output gate o * sigmoid(g): within float32 rounding of the float64 sigmoid, including
+    strongly negative and positive g and zeros; a row's bits the same alone and among enough rows
+    to run in parallel (prefill), so decode and prefill gate alike."""
+    rng = np.random.default_rng(12)
+    T = 3 * GATE_SERIAL_ROWS
+    o = rng.standard_normal((T, 96)).astype(np.float32)
+    g = (rng.standard_normal((T, 96)) * 6).astype(np.float32)
+    g[0, :6] = [-110.0, -88.0, -30.0, 0.0, 30.0, 110.0]
+    out = output_gate(o, g)
+    want = o.astype(np.float64) * sigmoid(g.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=3e-6, atol=1e-37)
+    for t in (0, T - 1):
+        np.testing.assert_array_equal(output_gate(o[t:t + 1], g[t:t + 1])[0], out[t])
+    with pytest.raises(WasteError, match="output gate"):
+        output_gate(o, g[:, :95])

@@ -28,7 +28,15 @@ import numpy as np
 from waste.config import ModelConfig
 from waste.errors import WasteError
 from waste.jit import num_threads
-from waste.kernels.mla import DECODE_BLOCK, decode_ranges, heads_dot, heads_times, mla_decode, mla_prefill
+from waste.kernels.mla import (
+    DECODE_BLOCK,
+    decode_ranges,
+    heads_dot,
+    heads_times,
+    mla_decode,
+    mla_prefill,
+    output_gate,
+)
 from waste.kernels.mla_step import mla_decode_step
 from waste.kernels.norm import rms_norm
 from waste.kernels.qbatch import QBatch, batchable
@@ -56,11 +64,6 @@ class MLACache:
 
     def copy(self) -> MLACache:
         return MLACache(self.latent.copy(), self.length)
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32)
 
 
 class MLALayer:
@@ -94,15 +97,24 @@ class MLALayer:
         self.w_uk = np.ascontiguousarray(w[:, : self.nope, :])  # [H, nope, R]: latent -> key, q_nope -> latent
         self.w_uv = np.ascontiguousarray(w[:, self.nope :, :])  # [H, V, R]: latent -> value
         self.attention_weights_last: np.ndarray | None = None  # [H, ctx] of the last decode
-        # A plain query and no output gate, every product in a q format: the whole decode step
-        # is one call (waste.kernels.mla_step), with these arguments that do not change.
+        # Every product in a q format: the whole decode step is one call (waste.kernels.mla_step),
+        # with these arguments that do not change. The products of x (the query's or q_a_proj,
+        # kv_a_proj, g_proj) in one batch.
         self._step_args: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
-        if (q_proj is not None and g_proj is None and batchable([q_proj, kv_a_proj])
-                and o_proj.fmt in Q_FORMATS):
-            batch = QBatch([q_proj, kv_a_proj])
+        of_x = [q_proj if q_proj is not None else q_a_proj, kv_a_proj, *([g_proj] if g_proj is not None else [])]
+        if (batchable(of_x) and o_proj.fmt in Q_FORMATS
+                and (q_b_proj is None or q_b_proj.fmt in Q_FORMATS)):
+            batch = QBatch(of_x)
             qs, scales, tscale, _, no_qs, no_scales = o_proj._qargs  # type: ignore[attr-defined]
+            if q_b_proj is not None:
+                b_qs, b_scales, b_tscale, _, b_no_qs, b_no_scales = q_b_proj._qargs  # type: ignore[attr-defined]
+                q_norm = np.ascontiguousarray(q_a_norm, np.float32)
+            else:  # no second query product: arrays that hold nothing
+                b_qs, b_scales, b_tscale, b_no_qs, b_no_scales = no_qs, no_scales, tscale, no_qs, no_scales
+                q_norm = np.zeros(0, np.float32)
             self._step_args = (
-                (np.zeros(2, np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes,
+                (np.zeros(len(of_x), np.int64), batch.table, batch.tscales, batch.first_format, *batch.likes,
+                 q_b_proj is not None, q_norm, b_qs, b_scales, b_tscale, b_no_qs, b_no_scales, g_proj is not None,
                  np.ascontiguousarray(kv_a_norm, np.float32), np.float32(self.eps), self.w_uk, self.w_uv),
                 (qs, scales, tscale, no_qs, no_scales),
             )
@@ -186,7 +198,7 @@ class MLALayer:
         """Head outputs o [T, H, V] -> y [T, hidden] through the gate and o_proj."""
         o = o.reshape(o.shape[0], self.H * self.v_dim)
         if self.g_proj is not None:
-            o = o * _sigmoid(self.g_proj.matmul(x))
+            o = output_gate(o, self.g_proj.matmul(x))
         return self.o_proj.matmul(np.ascontiguousarray(o, np.float32))
 
     def _reserve(self, T: int, cache: MLACache) -> int:
@@ -231,9 +243,8 @@ class MLALayer:
     def _decode_step(self, x: np.ndarray, cache: MLACache) -> np.ndarray:
         """`decode` in one kernel call (`mla_decode_step`): the same kernels, the same bits."""
         hidden = self.o_proj.shape[0]
-        if x.shape[1] != self.q_proj.shape[1]:  # type: ignore[union-attr]
-            raise WasteError(f"MLA decode input must have {self.q_proj.shape[1]} values, "  # type: ignore[union-attr]
-                             f"got {x.shape[1]}")
+        if x.shape[1] != self.kv_a_proj.shape[1]:
+            raise WasteError(f"MLA decode input must have {self.kv_a_proj.shape[1]} values, got {x.shape[1]}")
         latent = cache.latent  # the kernel indexes it unchecked
         if latent.dtype != np.float32 or latent.shape[1] != self.latent_size or not latent.flags.c_contiguous:
             raise WasteError(f"MLA cache must be C-contiguous float32 [capacity, {self.latent_size}], got "

@@ -46,7 +46,7 @@ import numpy as np
 from waste.errors import WasteError
 from waste.jit import kernel, parallel_kernel, prange
 from waste.kernels.bf16 import _row_block
-from waste.kernels.fastmath import fexp
+from waste.kernels.fastmath import fexp, fsigmoid
 
 # Cached rows per block in the decode kernel (16 rows x 576 values = 36 KiB); measured best of
 # 1..64 at H=32, 4096 tokens on the 2-core dev machine.
@@ -269,6 +269,38 @@ def heads_dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     y = np.empty((x.shape[0], x.shape[1], w.shape[1]), np.float32)
     _heads_dot(x, w, y)
     return y
+
+
+# Rows of the output gate taken on the calling thread (entering the thread pool costs more).
+GATE_SERIAL_ROWS = 16
+
+
+@parallel_kernel
+def _gated_rows(o, g, out):
+    """out = o * sigmoid(g) elementwise, [T, N] float32 (K3's MLA output gate), with `fsigmoid`:
+    each element the same bits whichever rows run together or on which thread."""
+    if o.shape[0] <= GATE_SERIAL_ROWS:
+        for t in range(o.shape[0]):
+            _gated_row(o, g, out, t)
+    else:
+        for t in prange(o.shape[0]):
+            _gated_row(o, g, out, t)
+
+
+@kernel
+def _gated_row(o, g, out, t):
+    for i in range(o.shape[1]):
+        out[t, i] = o[t, i] * fsigmoid(g[t, i])
+
+
+def output_gate(o: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """o * sigmoid(g) for o, g [T, N] float32 (C-contiguous): the gated head outputs."""
+    if o.shape != g.shape or o.ndim != 2:
+        raise WasteError(f"output gate needs o and g of one shape [T, N], got {o.shape} and {g.shape}")
+    o = np.ascontiguousarray(o, np.float32)
+    out = np.empty_like(o)
+    _gated_rows(o, np.ascontiguousarray(g, np.float32), out)
+    return out
 
 
 @kernel
