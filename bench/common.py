@@ -246,7 +246,7 @@ def free_page_reporting(devices: Path = Path("/sys/bus/virtio/devices")) -> bool
     """Whether this guest's virtio balloon hands memory the guest frees back to its host (free
     page reporting), None without a balloon. Where it does, new memory costs a process the
     host's faults as well once what it takes was freed some time before: on the Intel Xeon guest
-    of 2026-12-04 (README), 0.4 s of system CPU per GB when retaken at once, 1.7 after 30 s, so
+    of 2026-12-04 (docs/MEASURED.md), 0.4 s of system CPU per GB when retaken at once, 1.7 after 30 s, so
     `fresh_memory_cost` (memory just freed, often) can understate what a cold run pays."""
     for device in sorted(devices.glob("*")):
         try:

@@ -1,5 +1,7 @@
-"""The conda environment and the pip metadata declare the same dependencies at the same versions."""
+"""The conda environment and the pip metadata declare the same dependencies at the same versions;
+the design card's top level and the README's references exist."""
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -54,3 +56,14 @@ def test_drift_is_caught(other):
 def test_design_card_top_level_exists():
     for entry in ("notebooks", "waste", "tests", "environment.yml", "README.md", "bench", "Makefile", ".ci/run"):
         assert (ROOT / entry).exists(), entry
+
+
+def test_readme_links_and_named_docs_exist():
+    """The README sends readers to docs/ (every benchmark run lives in docs/MEASURED.md): each
+    relative link and each docs/*.md it names must be a file of the repository."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#:]+)\)", text)
+    named = re.findall(r"\bdocs/[A-Z_]+\.md\b", text)
+    assert "docs/MEASURED.md" in named
+    for path in {*links, *named}:
+        assert (ROOT / path).is_file(), path

@@ -9,7 +9,7 @@ store, so the command line can offer the choice cheaply.
 - "page-cache": into the page cache, handed out as views of the container's memory map
   (`waste.engine.read_buffers.PageCacheReads`); the page cache also keeps what the cache evicts.
 
-On the 48B q4 container on a 2-core Firecracker VM (2026-12-03, README "Measured"), "direct"
+On the 48B q4 container on a 2-core Firecracker VM (2026-12-03, docs/MEASURED.md), "direct"
 decoded at 4.6-5.4 tok/s against 1.8-2.4 for "page-cache", whose cold 512-token prefill was
 faster (8.4-8.8 against 5.4-5.5 tok/s), and its warm one too (23.7 against 19.8). On that VM memory
 new to the guest costs its CPUs 1-3 s per GB: "direct" pays it once per buffer, then reuses the

@@ -31,7 +31,6 @@ import numpy as np
 from waste.errors import WasteError
 
 NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
-ZIP_MAGIC = b"PK\x03\x04"  # .npz archives (sessions, traces)
 
 
 def _umask() -> int:

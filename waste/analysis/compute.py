@@ -4,7 +4,7 @@ estimate puts beside the disk's time (`waste.analysis.budget.RunPrediction`).
 The bandwidth bound (`decode_speed_bound`) leaves compute out and reads RAM at the speed of one
 large matvec. A real step reaches less: many small products, the parallel regions between them,
 routing, norms and the Python between the kernels. On the 48B q4 model on a 2-core VM the bound
-said 9.8 tok/s where the streaming store decoded at 4.6 (README, 2026-12-04). So the step is
+said 9.8 tok/s where the streaming store decoded at 4.6 (docs/MEASURED.md, 2026-12-04). So the step is
 measured instead: a few decode steps of the model after a short prompt, with its experts served
 by `PooledExpertStore` (expert e of a layer by expert e mod pool), so that every expert a step
 asks for is in RAM and the step reads about as many expert bytes from RAM as a real one, without
@@ -13,7 +13,7 @@ the disk and on a machine that cannot hold every expert.
 The disk's part is timed as a step reads it too: random expert blobs of a layer at a time, read
 by a `StreamingExpertStore` (its default readers and io, CRCs checked) into reused buffers. On the
 48B's virtual disk such reads ran at 1.14-1.65 GB/s where one long sequential read (what `waste
-plan`'s disk bandwidth measures) ran at 1.26-2.30 (README, 2026-12-05).
+plan`'s disk bandwidth measures) ran at 1.26-2.30 (docs/MEASURED.md, 2026-12-05).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import numpy as np
 from waste.config import ModelConfig, load_config_file
 from waste.container import k3_layout
 from waste.container.convert import SourceTensor, inventory, read_tensor
-from waste.container.format import expert_name, is_matrix
+from waste.container.format import expert_name
 from waste.errors import WasteError
 
 
@@ -76,10 +76,6 @@ class CheckpointSource:
             rows, half = buffers["packed"].shape
             out.append(SourceMatrix("mxfp4", (rows, 2 * half), buffers))
         return out[0], out[1], out[2]
-
-    def matrix_dtypes(self) -> set[str]:
-        """The safetensors dtypes of the trunk's weight matrices (BF16, F16, F32)."""
-        return {t.dtype for n, t in self._found.items() if is_matrix(n, t.shape) and t.dtype != "U8"}
 
     def expert_format(self) -> str:
         """"mxfp4" when the checkpoint's routed experts are MXFP4, else "float"."""

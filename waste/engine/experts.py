@@ -479,7 +479,7 @@ class StreamingExpertStore(ExpertStore):
         """The check of a blob read ahead, now that its layer asks for it: a reader thread runs it
         once the read (`read`) has finished. A blob read ahead and never asked for is never checked:
         on the 48B from disk about a sixth of what a decode step's guesses read went unused (and a
-        blob's first touch after an O_DIRECT read costs about as much as the CRC itself, README).
+        blob's first touch after an O_DIRECT read costs about as much as the CRC itself, docs/MEASURED.md).
         The callback holds no reference to `read` (the future passes itself): a cycle through it
         would keep the blob's buffer from being reused until the garbage collector ran."""
         checked: Future[None] = Future()

@@ -66,7 +66,7 @@ ExpertMLP = Callable[[np.ndarray, QMatrix, QMatrix, QMatrix], np.ndarray]  # (x,
 # rows against 10.0 one expert at a time, 8.7 at 1024 and 9.7 at 2048 (larger groups outgrow the
 # core's 1 MiB L2, we think); mini's (q8 256 x 1024, 53 MB, read from DRAM) 8.5 against 8.2, and
 # 9.5 at 1024: fewer calls save less where one product is longer. In the whole engine (weights
-# from DRAM) k3-mini's prefill rose 19-21% (README).
+# from DRAM) k3-mini's prefill rose 19-21% (docs/MEASURED.md).
 GROUP_ROWS = 512
 
 

@@ -40,8 +40,6 @@ from waste.errors import WasteError
 from waste.kernels.attn_res import attn_res_mix_weights
 from waste.kernels.norm import add_check_norm
 
-SITES = ("attn", "ffn", "output")
-
 
 class PlainResidual:
     """h = embedding; h += every attention and FFN output."""

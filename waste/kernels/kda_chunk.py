@@ -118,133 +118,132 @@ def _chunk_head(q, k, v, g, beta, scale, l2norm_qk, C, state, o, h):
     T, H, K = q.shape
     V = v.shape[2]
     BC = min(SUB_CHUNK, C)
-    if True:
-        ST = np.empty((V, K), np.float32)  # state transposed
-        for i in range(K):
-            for j in range(V):
-                ST[j, i] = state[h, i, j]
-        G = np.empty((C, K), np.float64)  # cumulative log decay from the chunk start
-        qs = np.empty((C, K), np.float32)  # normalised, scaled q
-        kn = np.empty((C, K), np.float32)  # normalised k
-        kA = np.empty((C, K), np.float32)  # k exp(G - G_p), p = position before the sub-chunk
-        qA = np.empty((C, K), np.float32)  # q exp(G - G_p)
-        base = np.empty((C, K), np.float32)  # exp(G_e - G), e = last position of the sub-chunk
-        kR = np.empty((BC, K), np.float32)  # k exp(G - G_m), m = middle of the sub-chunk
-        qR = np.empty((BC, K), np.float32)
-        kS = np.empty((BC, K), np.float32)  # k exp(G_m - G)
-        B = np.empty((BC, K), np.float32)
-        Qt = np.empty((C, K), np.float32)  # q exp(G)
-        kgT = np.empty((K, C), np.float32)  # (beta k exp(G))^T
-        khT = np.empty((K, C), np.float32)  # (k exp(G_last - G))^T
-        vT = np.empty((V, C), np.float32)  # (beta v)^T
-        A = np.empty((C, C), np.float32)
-        M = np.empty((C, C), np.float32)
-        Ti = np.empty((C, C), np.float32)  # (I + A)^-1
-        U = np.empty((C, V), np.float32)
-        W = np.empty((C, K), np.float32)
-        D = np.empty((C, V), np.float32)
-        DT = np.empty((V, C), np.float32)
-        Ob = np.empty((C, V), np.float32)
-        kg = np.empty((C, K), np.float32)  # beta k exp(G)
-        kh = np.empty((C, K), np.float32)  # k exp(G_last - G)
-        P = np.empty(K, np.float32)
-        ep = np.empty(K, np.float32)
-        al = np.empty(K, np.float32)
-        hi = np.empty(K, np.float32)
-        lo = np.empty(K, np.float32)
-        Z = np.zeros(K, np.float64)
-        for c0 in range(0, T, C):
-            n = min(C, T - c0)
-            for t in range(n):
-                rq = np.float32(scale)
-                rk = np.float32(1.0)
-                if l2norm_qk:
-                    sq = np.float32(0.0)
-                    sk = np.float32(0.0)
-                    for i in range(K):
-                        sq += q[c0 + t, h, i] * q[c0 + t, h, i]
-                        sk += k[c0 + t, h, i] * k[c0 + t, h, i]
-                    rq = rq / np.sqrt(sq + np.float32(L2_EPS))
-                    rk = np.float32(1.0) / np.sqrt(sk + np.float32(L2_EPS))
-                gprev = G[t - 1] if t > 0 else Z
+    ST = np.empty((V, K), np.float32)  # state transposed
+    for i in range(K):
+        for j in range(V):
+            ST[j, i] = state[h, i, j]
+    G = np.empty((C, K), np.float64)  # cumulative log decay from the chunk start
+    qs = np.empty((C, K), np.float32)  # normalised, scaled q
+    kn = np.empty((C, K), np.float32)  # normalised k
+    kA = np.empty((C, K), np.float32)  # k exp(G - G_p), p = position before the sub-chunk
+    qA = np.empty((C, K), np.float32)  # q exp(G - G_p)
+    base = np.empty((C, K), np.float32)  # exp(G_e - G), e = last position of the sub-chunk
+    kR = np.empty((BC, K), np.float32)  # k exp(G - G_m), m = middle of the sub-chunk
+    qR = np.empty((BC, K), np.float32)
+    kS = np.empty((BC, K), np.float32)  # k exp(G_m - G)
+    B = np.empty((BC, K), np.float32)
+    Qt = np.empty((C, K), np.float32)  # q exp(G)
+    kgT = np.empty((K, C), np.float32)  # (beta k exp(G))^T
+    khT = np.empty((K, C), np.float32)  # (k exp(G_last - G))^T
+    vT = np.empty((V, C), np.float32)  # (beta v)^T
+    A = np.empty((C, C), np.float32)
+    M = np.empty((C, C), np.float32)
+    Ti = np.empty((C, C), np.float32)  # (I + A)^-1
+    U = np.empty((C, V), np.float32)
+    W = np.empty((C, K), np.float32)
+    D = np.empty((C, V), np.float32)
+    DT = np.empty((V, C), np.float32)
+    Ob = np.empty((C, V), np.float32)
+    kg = np.empty((C, K), np.float32)  # beta k exp(G)
+    kh = np.empty((C, K), np.float32)  # k exp(G_last - G)
+    P = np.empty(K, np.float32)
+    ep = np.empty(K, np.float32)
+    al = np.empty(K, np.float32)
+    hi = np.empty(K, np.float32)
+    lo = np.empty(K, np.float32)
+    Z = np.zeros(K, np.float64)
+    for c0 in range(0, T, C):
+        n = min(C, T - c0)
+        for t in range(n):
+            rq = np.float32(scale)
+            rk = np.float32(1.0)
+            if l2norm_qk:
+                sq = np.float32(0.0)
+                sk = np.float32(0.0)
                 for i in range(K):
-                    qs[t, i] = q[c0 + t, h, i] * rq
-                    kn[t, i] = k[c0 + t, h, i] * rk
-                    G[t, i] = gprev[i] + np.float64(g[c0 + t, h, i])
-            for i in range(n):
-                for j in range(n):
-                    A[i, j] = 0.0
-                    M[i, j] = 0.0
-            for s0 in range(0, n, BC):
-                s1 = min(n, s0 + BC)
-                last = s1 - 1
-                gp = G[s0 - 1] if s0 > 0 else Z
-                _exp_sub(gp, Z, ep, hi, lo)
-                _exp_sub(G[n - 1], G[last], P, hi, lo)
-                for t in range(s0, s1):
-                    _exp_sub(G[t], gp, al, hi, lo)
-                    _exp_sub(G[last], G[t], base[t], hi, lo)
-                    bt = beta[c0 + t, h]
-                    for i in range(K):
-                        kA[t, i] = kn[t, i] * al[i]
-                        qA[t, i] = qs[t, i] * al[i]
-                        Qt[t, i] = qA[t, i] * ep[i]
-                        kg[t, i] = bt * kA[t, i] * ep[i]
-                        kh[t, i] = kn[t, i] * base[t, i] * P[i]
-                _diagonal_block(G, kn, qs, s0, s1, kR, qR, kS, A, M, al, hi, lo)
-                # blocks left of this sub-chunk: exp(G_i - G_j) = [exp(G_i - G_p)] exp(G_p - G_e) [exp(G_e - G_j)]
-                for r0 in range(0, s0, BC):
-                    r1 = r0 + BC
-                    _exp_sub(G[s0 - 1], G[r1 - 1], P, hi, lo)
-                    for j in range(r0, r1):
-                        for i in range(K):
-                            B[j - r0, i] = P[i] * base[j, i] * kn[j, i]
-                    _gemm_block(kA, qA, s0, s1, B, r0, A, M)
+                    sq += q[c0 + t, h, i] * q[c0 + t, h, i]
+                    sk += k[c0 + t, h, i] * k[c0 + t, h, i]
+                rq = rq / np.sqrt(sq + np.float32(L2_EPS))
+                rk = np.float32(1.0) / np.sqrt(sk + np.float32(L2_EPS))
+            gprev = G[t - 1] if t > 0 else Z
             for i in range(K):
-                for t in range(n):
-                    kgT[i, t] = kg[t, i]
-                    khT[i, t] = kh[t, i]
-            for i in range(n):
-                bi = beta[c0 + i, h]
-                for j in range(i):
-                    A[i, j] *= bi
-            # (I + A)^-1 by forward substitution, row by row
-            for i in range(n):
-                for j in range(n):
-                    Ti[i, j] = 0.0
-                Ti[i, i] = 1.0
-                for j in range(i):
-                    aij = A[i, j]
-                    if aij != 0.0:
-                        for c in range(j + 1):
-                            Ti[i, c] -= aij * Ti[j, c]
-            for t in range(n):
+                qs[t, i] = q[c0 + t, h, i] * rq
+                kn[t, i] = k[c0 + t, h, i] * rk
+                G[t, i] = gprev[i] + np.float64(g[c0 + t, h, i])
+        for i in range(n):
+            for j in range(n):
+                A[i, j] = 0.0
+                M[i, j] = 0.0
+        for s0 in range(0, n, BC):
+            s1 = min(n, s0 + BC)
+            last = s1 - 1
+            gp = G[s0 - 1] if s0 > 0 else Z
+            _exp_sub(gp, Z, ep, hi, lo)
+            _exp_sub(G[n - 1], G[last], P, hi, lo)
+            for t in range(s0, s1):
+                _exp_sub(G[t], gp, al, hi, lo)
+                _exp_sub(G[last], G[t], base[t], hi, lo)
                 bt = beta[c0 + t, h]
-                for j in range(V):
-                    vT[j, t] = bt * v[c0 + t, h, j]
-            _gemm_nt(Ti, vT, U, n, V, n, 0.0)
-            _gemm_nt(Ti, kgT, W, n, K, n, 0.0)
-            # D = U - W S0;  O = Qt S0 + M D
-            _gemm_nt(W, ST, D, n, V, K, 0.0)
-            for t in range(n):
-                for j in range(V):
-                    dv = U[t, j] - D[t, j]
-                    D[t, j] = dv
-                    DT[j, t] = dv
-            _gemm_nt(Qt, ST, Ob, n, V, K, 0.0)
-            _gemm_nt(M, DT, Ob, n, V, n, 1.0)
-            for t in range(n):
-                for j in range(V):
-                    o[c0 + t, h, j] = Ob[t, j]
-            # S = Diag(exp(G_last)) S0 + (k exp(G_last - G))^T D, transposed
-            _exp_sub(G[n - 1], Z, P, hi, lo)
-            for j in range(V):
                 for i in range(K):
-                    ST[j, i] *= P[i]
-            _gemm_nt(DT, khT, ST, V, K, n, 1.0)
+                    kA[t, i] = kn[t, i] * al[i]
+                    qA[t, i] = qs[t, i] * al[i]
+                    Qt[t, i] = qA[t, i] * ep[i]
+                    kg[t, i] = bt * kA[t, i] * ep[i]
+                    kh[t, i] = kn[t, i] * base[t, i] * P[i]
+            _diagonal_block(G, kn, qs, s0, s1, kR, qR, kS, A, M, al, hi, lo)
+            # blocks left of this sub-chunk: exp(G_i - G_j) = [exp(G_i - G_p)] exp(G_p - G_e) [exp(G_e - G_j)]
+            for r0 in range(0, s0, BC):
+                r1 = r0 + BC
+                _exp_sub(G[s0 - 1], G[r1 - 1], P, hi, lo)
+                for j in range(r0, r1):
+                    for i in range(K):
+                        B[j - r0, i] = P[i] * base[j, i] * kn[j, i]
+                _gemm_block(kA, qA, s0, s1, B, r0, A, M)
         for i in range(K):
+            for t in range(n):
+                kgT[i, t] = kg[t, i]
+                khT[i, t] = kh[t, i]
+        for i in range(n):
+            bi = beta[c0 + i, h]
+            for j in range(i):
+                A[i, j] *= bi
+        # (I + A)^-1 by forward substitution, row by row
+        for i in range(n):
+            for j in range(n):
+                Ti[i, j] = 0.0
+            Ti[i, i] = 1.0
+            for j in range(i):
+                aij = A[i, j]
+                if aij != 0.0:
+                    for c in range(j + 1):
+                        Ti[i, c] -= aij * Ti[j, c]
+        for t in range(n):
+            bt = beta[c0 + t, h]
             for j in range(V):
-                state[h, i, j] = ST[j, i]
+                vT[j, t] = bt * v[c0 + t, h, j]
+        _gemm_nt(Ti, vT, U, n, V, n, 0.0)
+        _gemm_nt(Ti, kgT, W, n, K, n, 0.0)
+        # D = U - W S0;  O = Qt S0 + M D
+        _gemm_nt(W, ST, D, n, V, K, 0.0)
+        for t in range(n):
+            for j in range(V):
+                dv = U[t, j] - D[t, j]
+                D[t, j] = dv
+                DT[j, t] = dv
+        _gemm_nt(Qt, ST, Ob, n, V, K, 0.0)
+        _gemm_nt(M, DT, Ob, n, V, n, 1.0)
+        for t in range(n):
+            for j in range(V):
+                o[c0 + t, h, j] = Ob[t, j]
+        # S = Diag(exp(G_last)) S0 + (k exp(G_last - G))^T D, transposed
+        _exp_sub(G[n - 1], Z, P, hi, lo)
+        for j in range(V):
+            for i in range(K):
+                ST[j, i] *= P[i]
+        _gemm_nt(DT, khT, ST, V, K, n, 1.0)
+    for i in range(K):
+        for j in range(V):
+            state[h, i, j] = ST[j, i]
 
 
 @kernel

@@ -163,16 +163,6 @@ def _gather_into(rows, gate_up, down, gu, dn):
         dn[i] = down[rows[i]]
 
 
-@kernel
-def _gather_tscales(rows, gate_up_tscales, down_tscales):
-    """The tensor scales [2n] and [n] of _gather_rows' tables."""
-    n = rows.shape[0]
-    gu = np.empty(2 * n, np.float32)
-    dn = np.empty(n, np.float32)
-    _gather_into(rows, gate_up_tscales, down_tscales, gu, dn)
-    return gu, dn
-
-
 # Experts per router work item of a decode step (`_moe_one_token`): 8 rows of a 2304-wide router
 # are 74 KB of float32.
 ROUTER_ITEM = 8

@@ -33,7 +33,7 @@ import numpy as np
 
 from waste.errors import WasteError
 from waste.jit import parallel_kernel, prange
-from waste.qformat import CODE_OFFSET, check_mxfp4_shape
+from waste.qformat import check_mxfp4_shape
 
 MX_GROUP = 32  # elements sharing one E8M0 scale, along K
 SCALE_BIAS = 127  # E8M0 byte s stands for 2^(s - 127)
@@ -43,7 +43,6 @@ E2M1_EMAX = 2  # exponent of E2M1's largest value, 6 = 1.5 * 2^2
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 E2M1_TWICE = (2 * E2M1_VALUES).astype(np.int8)  # integer codes in [-12, 12]
-TWICE_OFFSET = CODE_OFFSET["mxfp4"]  # the kernels read 2v + 12 in [0, 24] as an unsigned byte
 # |v| from which the rounded magnitude index moves up by one, and whether the boundary itself
 # moves up (ties go to the even index: 0.75 -> 1.0 (index 2) but 1.25 -> 1.0 too).
 _BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))

@@ -136,7 +136,7 @@ def _q_products(X, rows, table, tscales, first_format, like_qs, like_scales, lik
     One decode step multiplies many small matrices (a MoE layer's experts, a KDA layer's six
     input projections), and a call and a parallel region per product cost microseconds each
     against products of 10-60 us (`bench/moe_decode.py` measures a MoE layer's experts in one
-    call against one by one; README "Measured"). The callers keep the matrices alive during the call: the kernel reads
+    call against one by one; docs/MEASURED.md). The callers keep the matrices alive during the call: the kernel reads
     them by address. `_q_spans` does the same for runs of rows (a prefill's experts); decode
     keeps this driver, measured 10-15% faster on one token (nine down products of `mini` q4:
     39 against 45 us on one thread, 23-24 against 28-29 on two)."""
