@@ -14,15 +14,27 @@ the specification that waste's kernels and its float64 oracle have in common sho
   model runs transformers' PyTorch fallbacks for the short convolution and KDA (fla's Triton
   kernels need a GPU); the file records which path ran.
 
-Every .npz records the versions used (torch, transformers, fla-core, Python) under `versions`.
+- k3_tiny/ (config.json + model.safetensors) and k3_tiny_mlx.npz: a tiny random Kimi K3
+  checkpoint in K3's own layout (`waste synth k3-tiny`, f32 trunk, MXFP4 routed experts under a
+  compressed-tensors quantization_config), and what mlx-lm's `kimi_k3` model computes from it on
+  the CPU, loaded by mlx-lm's own `load_model` and `sanitize`: the logits of a prompt in one call,
+  then greedy tokens decoded one at a time through its cache with their logits.
 
-Run with an environment holding torch, transformers and fla-core, plus the repository's own
-venv for `waste synth`:
+Every .npz records the versions used under `versions`: torch, transformers, fla-core and Python
+for the first two; mlx, mlx-lm and Python for the K3 one.
+
+The first two need an environment with torch, transformers and fla-core, the K3 one an
+environment with mlx (its CPU build runs on Linux) and mlx-lm; both use the repository's own venv
+for `waste synth`:
 
     python3 -m venv /work/goldens-venv
     /work/goldens-venv/bin/pip install torch==2.13.0 transformers==5.23.0 einops
     /work/goldens-venv/bin/pip install --no-deps fla-core==0.6.0
-    /work/goldens-venv/bin/python tools/make_goldens.py --waste .venv/bin/waste
+    /work/goldens-venv/bin/python tools/make_goldens.py --waste .venv/bin/waste --goldens kda model
+
+    python3 -m venv /work/mlx-venv
+    /work/mlx-venv/bin/pip install "mlx[cpu]==0.32.4" mlx-lm==0.32.2
+    /work/mlx-venv/bin/python tools/make_goldens.py --waste .venv/bin/waste --goldens k3
 """
 
 from __future__ import annotations
@@ -46,11 +58,13 @@ KDA_SHAPE = (256, 2, 32, 32)  # T, H, K, V: four fla chunks of 64
 FLOOR = -5.0
 PROMPT_LEN = 24
 CHECKPOINT_SEED = 11
+K3_DECODED = 8  # greedy tokens mlx-lm decodes one at a time after the prompt
+TORCH_PACKAGES = ("torch", "transformers", "fla-core", "numpy")
+MLX_PACKAGES = ("mlx", "mlx-lm", "numpy")
 
 
-def versions() -> str:
+def versions(names: tuple[str, ...] = TORCH_PACKAGES) -> str:
     """The packages behind a golden, as a JSON string (np.savez keeps it as a 0-d array)."""
-    names = ("torch", "transformers", "fla-core", "numpy")
     found = {n: importlib.metadata.version(n) for n in names}
     found["python"] = platform.python_version()
     return json.dumps(found, sort_keys=True)
@@ -115,17 +129,13 @@ def make_kda_goldens() -> Path:
     return path
 
 
-def make_model_goldens(waste: str) -> Path:
-    sys.modules["fla"] = None  # make `import fla` fail: transformers then runs its PyTorch paths
-    import torch
-    import transformers
-    from transformers import KimiLinearForCausalLM
-    from transformers.models.kimi_linear import modeling_kimi_linear as mk
-
-    ckpt = GOLDEN / "kimi_linear_tiny"
+def synth_checkpoint(waste: str, preset: str, name: str) -> Path:
+    """tests/golden/<name>/: `waste synth preset --dtype f32` at CHECKPOINT_SEED, its config.json and
+    safetensors only (no tokenizer: the goldens take token ids)."""
+    ckpt = GOLDEN / name
     with tempfile.TemporaryDirectory() as tmp:
         synth = Path(tmp) / "ckpt"
-        subprocess.run([waste, "synth", "tiny", str(synth), "--dtype", "f32", "--seed", str(CHECKPOINT_SEED)],
+        subprocess.run([waste, "synth", preset, str(synth), "--dtype", "f32", "--seed", str(CHECKPOINT_SEED)],
                        check=True, stdout=subprocess.DEVNULL)
         if ckpt.exists():
             shutil.rmtree(ckpt)
@@ -133,13 +143,28 @@ def make_model_goldens(waste: str) -> Path:
         for f in synth.iterdir():
             if f.name == "config.json" or f.suffix == ".safetensors" or f.name.endswith(".index.json"):
                 shutil.copy(f, ckpt / f.name)
+    return ckpt
+
+
+def prompt_ids(vocab_size: int) -> np.ndarray:
+    return np.random.default_rng(CHECKPOINT_SEED).integers(0, vocab_size, PROMPT_LEN)
+
+
+def make_model_goldens(waste: str) -> Path:
+    sys.modules["fla"] = None  # make `import fla` fail: transformers then runs its PyTorch paths
+    import torch
+    import transformers
+    from transformers import KimiLinearForCausalLM
+    from transformers.models.kimi_linear import modeling_kimi_linear as mk
+
+    ckpt = synth_checkpoint(waste, "tiny", "kimi_linear_tiny")
     torch.manual_seed(0)
     model = KimiLinearForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     model.eval()
     kda_path = {fn: getattr(mk, fn).__module__ for fn in ("chunk_kimi_delta_attention",
                                                           "recurrent_kimi_delta_attention")}
     cfg = json.loads((ckpt / "config.json").read_text())
-    ids = np.random.default_rng(CHECKPOINT_SEED).integers(0, cfg["vocab_size"], PROMPT_LEN)
+    ids = prompt_ids(cfg["vocab_size"])
     with torch.no_grad():
         result = model(torch.from_numpy(ids)[None], output_hidden_states=True, use_cache=False)
     out = {
@@ -155,14 +180,51 @@ def make_model_goldens(waste: str) -> Path:
     return path
 
 
+def make_k3_goldens(waste: str) -> Path:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.utils import load_model
+
+    ckpt = synth_checkpoint(waste, "k3-tiny", "k3_tiny")
+    model, _ = load_model(ckpt, strict=True)  # mlx-lm's own sanitize maps every checkpoint name
+    cfg = json.loads((ckpt / "config.json").read_text())["text_config"]
+    ids = prompt_ids(cfg["vocab_size"])
+    prefill = model(mx.array(ids)[None])  # the whole prompt in one call, no cache
+    cache = model.make_cache()
+    last = model(mx.array(ids)[None], cache=cache)[0, -1]
+    generated, decode_logits = [], []
+    for _ in range(K3_DECODED):  # greedy, one token a call through the cache
+        token = int(mx.argmax(last).item())
+        last = model(mx.array([[token]]), cache=cache)[0, -1]
+        generated.append(token)
+        decode_logits.append(np.array(last.astype(mx.float32)))
+    out = {
+        "versions": np.array(versions(MLX_PACKAGES)),
+        "source": np.array(f"mlx-lm {mlx_lm.__version__} models/kimi_k3.py on mlx {mx.__version__}'s CPU, float32 "
+                           f"trunk, MXFP4 experts; loaded by mlx_lm.utils.load_model(strict=True)"),
+        "ids": ids.astype(np.int64),
+        "logits": np.array(prefill[0].astype(mx.float32)),
+        "generated": np.array(generated, np.int64),
+        "decode_logits": np.stack(decode_logits),
+    }
+    path = GOLDEN / "k3_tiny_mlx.npz"
+    np.savez_compressed(path, **out)
+    return path
+
+
+GOLDENS = {"kda": lambda waste: make_kda_goldens(), "model": make_model_goldens, "k3": make_k3_goldens}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waste", default=str(ROOT / ".venv" / "bin" / "waste"),
-                        help="the waste command that writes the tiny checkpoint")
+                        help="the waste command that writes the tiny checkpoints")
+    parser.add_argument("--goldens", nargs="+", choices=list(GOLDENS), default=list(GOLDENS),
+                        help="which to write (kda and model need torch, k3 needs mlx-lm)")
     args = parser.parse_args()
     GOLDEN.mkdir(parents=True, exist_ok=True)
-    print("wrote", make_kda_goldens())
-    print("wrote", make_model_goldens(args.waste))
+    for name in args.goldens:
+        print("wrote", GOLDENS[name](args.waste))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,20 @@
 """The kernels, the float64 oracle and `waste run` against numbers from independent code.
 
-tests/golden/ holds outputs of fla-core's naive KDA and of transformers' KimiLinearForCausalLM
-(versions inside each file; `tools/make_goldens.py` regenerates them where torch, fla-core and
-transformers are installed). Agreement with the oracle alone would not catch a misreading of
-the specification that the oracle and the kernels share; these would.
+tests/golden/ holds outputs of fla-core's naive KDA, of transformers' KimiLinearForCausalLM and
+of mlx-lm's kimi_k3 model (versions inside each file; `tools/make_goldens.py` regenerates them
+where torch, fla-core and transformers, or mlx and mlx-lm, are installed). Agreement with the
+oracle alone would not catch a misreading of the specification that the oracle and the kernels
+share; these would. K3's is the only check of AttnRes, the latent MoE, SiTU, grouped routing and
+MXFP4 decoding against code written by others.
 
 Tolerances (u = 2**-24, float32's unit roundoff; relative to the golden's largest element):
 - KDA: fla's naive recurrence runs in float32, so it is itself about as far from the exact
   result as our kernels: each within the random-walk bound of tests/kernels/test_kda_decays.py,
   4 u sqrt(T) (3.8e-6 at T = 256), hence 8 u sqrt(T) between a kernel and fla, and 4 u sqrt(T)
   between the float64 oracle and fla.
-- Model: transformers runs the tiny model in float32 through 5 layers; the oracle (float64) and
-  the f32 engine each stay within the 1e-5 relative L2 that `waste check` allows an f32
-  engine, so 2e-5 relative L2 between either and transformers.
+- Model: transformers (mlx-lm for K3) runs the tiny model in float32 through 5 layers; the
+  oracle (float64) and the f32 engine each stay within the 1e-5 relative L2 that `waste check`
+  allows an f32 engine, so 2e-5 relative L2 between either and the other implementation.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_goldens_record_their_versions() -> None:
-    for name in ("kda_fla_naive.npz", "kimi_linear_tiny.npz"):
+    torch_side = {"torch", "transformers", "fla-core", "python"}
+    for name, packages in (("kda_fla_naive.npz", torch_side), ("kimi_linear_tiny.npz", torch_side),
+                           ("k3_tiny_mlx.npz", {"mlx", "mlx-lm", "python"})):
         versions = json.loads(str(_golden(name)["versions"]))
-        assert {"torch", "transformers", "fla-core", "python"} <= set(versions), name
+        assert packages <= set(versions), name
         assert all(versions.values()), name
 
 
@@ -105,3 +109,42 @@ def test_waste_run_matches_transformers_kimi_linear(golden_container: Path, tmp_
                  "--logits-out", str(logits)]) == 0
     engine = np.load(logits)[: len(g["ids"])]
     assert _rel(engine, g["logits"]) <= MODEL_RTOL
+
+
+@pytest.fixture(scope="module")
+def k3_containers(tmp_path_factory) -> dict[str, Path]:
+    """The K3 golden checkpoint converted with an f32 trunk: "mxfp4" keeps its MXFP4 experts (the
+    default; the oracle reads them exactly, the engine's products round their inputs to int8),
+    "f32" stores the experts' exact values as float32, for the engine to be held to float32."""
+    out = {}
+    for experts in ("mxfp4", "f32"):
+        out[experts] = tmp_path_factory.mktemp("k3golden") / f"k3_tiny_{experts}.waste"
+        assert main(["convert", str(GOLDEN / "k3_tiny"), str(out[experts]), "--quant", "f32", "--experts", experts,
+                     "--quiet"]) == 0
+    return out
+
+
+def test_oracle_matches_mlx_lm_kimi_k3(k3_containers: dict[str, Path]) -> None:
+    """The float64 oracle's K3 (reading the MXFP4 experts or their f32 copy) gives mlx-lm's logits."""
+    g = _golden("k3_tiny_mlx.npz")
+    for experts, path in k3_containers.items():
+        with open_container(path) as c:
+            assert c.expert_storage == experts
+            ref = ReferenceModel(c).forward(g["ids"])
+        assert _rel(ref.logits, g["logits"]) <= MODEL_RTOL, experts
+
+
+def test_waste_run_matches_mlx_lm_kimi_k3(k3_containers: dict[str, Path], tmp_path: Path) -> None:
+    """`waste run` on K3 (f32 trunk and experts): the prompt's logits, then the same greedy tokens
+    as mlx-lm's decode through its cache, with the same logits at each."""
+    g = _golden("k3_tiny_mlx.npz")
+    ids, generated = g["ids"], g["generated"]
+    logits = tmp_path / "logits.npy"
+    assert main(["run", str(k3_containers["f32"]), "--prompt-ids", ",".join(str(int(t)) for t in ids),
+                 "--max-new", str(len(generated)), "--temperature", "0", "--logits-out", str(logits)]) == 0
+    engine = np.load(logits)
+    assert engine.shape == (len(ids) + len(generated), g["logits"].shape[1])
+    assert _rel(engine[: len(ids)], g["logits"]) <= MODEL_RTOL
+    # Row len(ids) - 1 + i chose generated token i; row len(ids) + i is the step that read it.
+    np.testing.assert_array_equal(engine[len(ids) - 1: -1].argmax(axis=1), generated)
+    assert _rel(engine[len(ids):], g["decode_logits"]) <= MODEL_RTOL
