@@ -19,6 +19,9 @@ the specification that waste's kernels and its float64 oracle have in common sho
   compressed-tensors quantization_config), and what mlx-lm's `kimi_k3` model computes from it on
   the CPU, loaded by mlx-lm's own `load_model` and `sanitize`: the logits of a prompt in one call,
   then greedy tokens decoded one at a time through its cache with their logits.
+  k3_tiny_variant/ and k3_tiny_variant_mlx.npz the same for k3-tiny's other forms
+  (K3_VARIANT): the latent MoE's norm, SiTU with a null beta and a linear beta, AttnRes blocks of
+  3 over 5 layers with the dotted tensor names, MLA with a plain query and no output gate.
 
 Every .npz records the versions used under `versions`: torch, transformers, fla-core and Python
 for the first two; mlx, mlx-lm and Python for the K3 one.
@@ -59,6 +62,9 @@ FLOOR = -5.0
 PROMPT_LEN = 24
 CHECKPOINT_SEED = 11
 K3_DECODED = 8  # greedy tokens mlx-lm decodes one at a time after the prompt
+# k3-tiny's text_config with the forms the preset leaves out, for k3_tiny_variant.
+K3_VARIANT = {"latent_moe_use_norm": True, "activation_situ_beta": None, "activation_situ_linear_beta": 1.5,
+              "attn_res_block_size": 3, "q_lora_rank": None, "mla_use_output_gate": False}
 TORCH_PACKAGES = ("torch", "transformers", "fla-core", "numpy")
 MLX_PACKAGES = ("mlx", "mlx-lm", "numpy")
 
@@ -129,13 +135,14 @@ def make_kda_goldens() -> Path:
     return path
 
 
-def synth_checkpoint(waste: str, preset: str, name: str) -> Path:
-    """tests/golden/<name>/: `waste synth preset --dtype f32` at CHECKPOINT_SEED, its config.json and
-    safetensors only (no tokenizer: the goldens take token ids)."""
+def synth_checkpoint(waste: str, preset: str, name: str, *extra: str) -> Path:
+    """tests/golden/<name>/: `waste synth preset --dtype f32 *extra` at CHECKPOINT_SEED (preset: a
+    name or a config.json), its config.json and safetensors only (no tokenizer: the goldens take
+    token ids)."""
     ckpt = GOLDEN / name
     with tempfile.TemporaryDirectory() as tmp:
         synth = Path(tmp) / "ckpt"
-        subprocess.run([waste, "synth", preset, str(synth), "--dtype", "f32", "--seed", str(CHECKPOINT_SEED)],
+        subprocess.run([waste, "synth", preset, str(synth), "--dtype", "f32", "--seed", str(CHECKPOINT_SEED), *extra],
                        check=True, stdout=subprocess.DEVNULL)
         if ckpt.exists():
             shutil.rmtree(ckpt)
@@ -180,12 +187,23 @@ def make_model_goldens(waste: str) -> Path:
     return path
 
 
-def make_k3_goldens(waste: str) -> Path:
+def make_k3_goldens(waste: str) -> list[Path]:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = json.loads((ROOT / "waste" / "presets" / "k3-tiny.json").read_text())
+        config["text_config"].update(K3_VARIANT)
+        variant = Path(tmp) / "config.json"
+        variant.write_text(json.dumps(config, indent=2))
+        cases = [synth_checkpoint(waste, "k3-tiny", "k3_tiny"),
+                 synth_checkpoint(waste, str(variant), "k3_tiny_variant", "--attn-res-spelling", "dotted")]
+    return [k3_golden(ckpt) for ckpt in cases]
+
+
+def k3_golden(ckpt: Path) -> Path:
+    """<ckpt>_mlx.npz: mlx-lm's kimi_k3 on the checkpoint (see the module doc)."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.utils import load_model
 
-    ckpt = synth_checkpoint(waste, "k3-tiny", "k3_tiny")
     model, _ = load_model(ckpt, strict=True)  # mlx-lm's own sanitize maps every checkpoint name
     cfg = json.loads((ckpt / "config.json").read_text())["text_config"]
     ids = prompt_ids(cfg["vocab_size"])
@@ -207,12 +225,13 @@ def make_k3_goldens(waste: str) -> Path:
         "generated": np.array(generated, np.int64),
         "decode_logits": np.stack(decode_logits),
     }
-    path = GOLDEN / "k3_tiny_mlx.npz"
+    path = GOLDEN / f"{ckpt.name}_mlx.npz"
     np.savez_compressed(path, **out)
     return path
 
 
-GOLDENS = {"kda": lambda waste: make_kda_goldens(), "model": make_model_goldens, "k3": make_k3_goldens}
+GOLDENS = {"kda": lambda waste: [make_kda_goldens()], "model": lambda waste: [make_model_goldens(waste)],
+           "k3": make_k3_goldens}
 
 
 def main() -> None:
@@ -224,7 +243,8 @@ def main() -> None:
     args = parser.parse_args()
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for name in args.goldens:
-        print("wrote", GOLDENS[name](args.waste))
+        for path in GOLDENS[name](args.waste):
+            print("wrote", path)
 
 
 if __name__ == "__main__":

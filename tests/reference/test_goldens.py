@@ -35,6 +35,10 @@ from waste.reference.kda import naive_recurrent_kda
 from waste.reference.model import ReferenceModel
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+# k3-tiny as the preset has it, and with the forms it leaves out (tools/make_goldens.K3_VARIANT:
+# the latent MoE's norm, SiTU's null beta and linear beta, blocks of 3, a plain MLA query without
+# output gate, AttnRes tensors in the dotted spelling).
+K3_CASES = ("k3_tiny", "k3_tiny_variant")
 UNIT_ROUNDOFF = 2.0**-24
 MODEL_RTOL = 2e-5
 
@@ -51,7 +55,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 def test_goldens_record_their_versions() -> None:
     torch_side = {"torch", "transformers", "fla-core", "python"}
     for name, packages in (("kda_fla_naive.npz", torch_side), ("kimi_linear_tiny.npz", torch_side),
-                           ("k3_tiny_mlx.npz", {"mlx", "mlx-lm", "python"})):
+                           *((f"{case}_mlx.npz", {"mlx", "mlx-lm", "python"}) for case in K3_CASES)):
         versions = json.loads(str(_golden(name)["versions"]))
         assert packages <= set(versions), name
         assert all(versions.values()), name
@@ -111,22 +115,24 @@ def test_waste_run_matches_transformers_kimi_linear(golden_container: Path, tmp_
     assert _rel(engine, g["logits"]) <= MODEL_RTOL
 
 
-@pytest.fixture(scope="module")
-def k3_containers(tmp_path_factory) -> dict[str, Path]:
-    """The K3 golden checkpoint converted with an f32 trunk: "mxfp4" keeps its MXFP4 experts (the
+@pytest.fixture(scope="module", params=K3_CASES)
+def k3_case(request, tmp_path_factory) -> tuple[str, dict[str, Path]]:
+    """A K3 golden checkpoint converted with an f32 trunk: "mxfp4" keeps its MXFP4 experts (the
     default; the oracle reads them exactly, the engine's products round their inputs to int8),
     "f32" stores the experts' exact values as float32, for the engine to be held to float32."""
+    case = request.param
     out = {}
     for experts in ("mxfp4", "f32"):
-        out[experts] = tmp_path_factory.mktemp("k3golden") / f"k3_tiny_{experts}.waste"
-        assert main(["convert", str(GOLDEN / "k3_tiny"), str(out[experts]), "--quant", "f32", "--experts", experts,
+        out[experts] = tmp_path_factory.mktemp("k3golden") / f"{case}_{experts}.waste"
+        assert main(["convert", str(GOLDEN / case), str(out[experts]), "--quant", "f32", "--experts", experts,
                      "--quiet"]) == 0
-    return out
+    return case, out
 
 
-def test_oracle_matches_mlx_lm_kimi_k3(k3_containers: dict[str, Path]) -> None:
+def test_oracle_matches_mlx_lm_kimi_k3(k3_case: tuple[str, dict[str, Path]]) -> None:
     """The float64 oracle's K3 (reading the MXFP4 experts or their f32 copy) gives mlx-lm's logits."""
-    g = _golden("k3_tiny_mlx.npz")
+    case, k3_containers = k3_case
+    g = _golden(f"{case}_mlx.npz")
     for experts, path in k3_containers.items():
         with open_container(path) as c:
             assert c.expert_storage == experts
@@ -134,10 +140,11 @@ def test_oracle_matches_mlx_lm_kimi_k3(k3_containers: dict[str, Path]) -> None:
         assert _rel(ref.logits, g["logits"]) <= MODEL_RTOL, experts
 
 
-def test_waste_run_matches_mlx_lm_kimi_k3(k3_containers: dict[str, Path], tmp_path: Path) -> None:
+def test_waste_run_matches_mlx_lm_kimi_k3(k3_case: tuple[str, dict[str, Path]], tmp_path: Path) -> None:
     """`waste run` on K3 (f32 trunk and experts): the prompt's logits, then the same greedy tokens
     as mlx-lm's decode through its cache, with the same logits at each."""
-    g = _golden("k3_tiny_mlx.npz")
+    case, k3_containers = k3_case
+    g = _golden(f"{case}_mlx.npz")
     ids, generated = g["ids"], g["generated"]
     logits = tmp_path / "logits.npy"
     assert main(["run", str(k3_containers["f32"]), "--prompt-ids", ",".join(str(int(t)) for t in ids),
