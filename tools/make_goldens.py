@@ -22,11 +22,14 @@ the specification that waste's kernels and its float64 oracle have in common sho
   k3_tiny_variant/ and k3_tiny_variant_mlx.npz the same for k3-tiny's other forms
   (K3_VARIANT): the latent MoE's norm, SiTU with a null beta and a linear beta, AttnRes blocks of
   3 over 5 layers with the dotted tensor names, MLA with a plain query and no output gate.
+- kimi_linear_tiny_mlx.npz: the same from mlx-lm's `kimi_linear` on kimi_linear_tiny/ (which
+  transformers' golden covers for a prompt only): a second implementation of its prefill and the
+  only independent one of its decode through a cache.
 
 Every .npz records the versions used under `versions`: torch, transformers, fla-core and Python
-for the first two; mlx, mlx-lm and Python for the K3 one.
+for the first two; mlx, mlx-lm and Python for mlx-lm's.
 
-The first two need an environment with torch, transformers and fla-core, the K3 one an
+The first two need an environment with torch, transformers and fla-core, mlx-lm's an
 environment with mlx (its CPU build runs on Linux) and mlx-lm; both use the repository's own venv
 for `waste synth`:
 
@@ -37,7 +40,7 @@ for `waste synth`:
 
     python3 -m venv /work/mlx-venv
     /work/mlx-venv/bin/pip install "mlx[cpu]==0.32.4" mlx-lm==0.32.2
-    /work/mlx-venv/bin/python tools/make_goldens.py --waste .venv/bin/waste --goldens k3
+    /work/mlx-venv/bin/python tools/make_goldens.py --waste .venv/bin/waste --goldens mlx
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ KDA_SHAPE = (256, 2, 32, 32)  # T, H, K, V: four fla chunks of 64
 FLOOR = -5.0
 PROMPT_LEN = 24
 CHECKPOINT_SEED = 11
-K3_DECODED = 8  # greedy tokens mlx-lm decodes one at a time after the prompt
+MLX_DECODED = 8  # greedy tokens mlx-lm decodes one at a time after the prompt
 # k3-tiny's text_config with the forms the preset leaves out, for k3_tiny_variant.
 K3_VARIANT = {"latent_moe_use_norm": True, "activation_situ_beta": None, "activation_situ_linear_beta": 1.5,
               "attn_res_block_size": 3, "q_lora_rank": None, "mla_use_output_gate": False}
@@ -187,7 +190,10 @@ def make_model_goldens(waste: str) -> Path:
     return path
 
 
-def make_k3_goldens(waste: str) -> list[Path]:
+def make_mlx_goldens(waste: str) -> list[Path]:
+    """The K3 checkpoints and their goldens, and the Kimi-Linear one of `make_model_goldens` through
+    mlx-lm's kimi_linear (which needs head_dim and rope_theta in the config, both unused by this
+    model's NoPE MLA with its dimensions given: supplied on a copy of the checkpoint)."""
     with tempfile.TemporaryDirectory() as tmp:
         config = json.loads((ROOT / "waste" / "presets" / "k3-tiny.json").read_text())
         config["text_config"].update(K3_VARIANT)
@@ -195,43 +201,52 @@ def make_k3_goldens(waste: str) -> list[Path]:
         variant.write_text(json.dumps(config, indent=2))
         cases = [synth_checkpoint(waste, "k3-tiny", "k3_tiny"),
                  synth_checkpoint(waste, str(variant), "k3_tiny_variant", "--attn-res-spelling", "dotted")]
-    return [k3_golden(ckpt) for ckpt in cases]
+    paths = [mlx_golden(ckpt, ckpt, "kimi_k3") for ckpt in cases]
+    linear = GOLDEN / "kimi_linear_tiny"
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / linear.name
+        shutil.copytree(linear, copy)
+        config = json.loads((copy / "config.json").read_text())
+        config.update(head_dim=config["v_head_dim"], rope_theta=10000.0)
+        (copy / "config.json").write_text(json.dumps(config, indent=2))
+        paths.append(mlx_golden(copy, linear, "kimi_linear"))
+    return paths
 
 
-def k3_golden(ckpt: Path) -> Path:
-    """<ckpt>_mlx.npz: mlx-lm's kimi_k3 on the checkpoint (see the module doc)."""
+def mlx_golden(ckpt: Path, name: Path, model_file: str) -> Path:
+    """<name>_mlx.npz: mlx-lm's model on the checkpoint ckpt (see the module doc)."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.utils import load_model
 
     model, _ = load_model(ckpt, strict=True)  # mlx-lm's own sanitize maps every checkpoint name
-    cfg = json.loads((ckpt / "config.json").read_text())["text_config"]
-    ids = prompt_ids(cfg["vocab_size"])
+    cfg = json.loads((ckpt / "config.json").read_text())
+    ids = prompt_ids(cfg.get("text_config", cfg)["vocab_size"])
     prefill = model(mx.array(ids)[None])  # the whole prompt in one call, no cache
     cache = model.make_cache()
     last = model(mx.array(ids)[None], cache=cache)[0, -1]
     generated, decode_logits = [], []
-    for _ in range(K3_DECODED):  # greedy, one token a call through the cache
+    for _ in range(MLX_DECODED):  # greedy, one token a call through the cache
         token = int(mx.argmax(last).item())
         last = model(mx.array([[token]]), cache=cache)[0, -1]
         generated.append(token)
         decode_logits.append(np.array(last.astype(mx.float32)))
     out = {
         "versions": np.array(versions(MLX_PACKAGES)),
-        "source": np.array(f"mlx-lm {mlx_lm.__version__} models/kimi_k3.py on mlx {mx.__version__}'s CPU, float32 "
-                           f"trunk, MXFP4 experts; loaded by mlx_lm.utils.load_model(strict=True)"),
+        "source": np.array(f"mlx-lm {mlx_lm.__version__} models/{model_file}.py on mlx {mx.__version__}'s CPU, "
+                           f"float32; loaded by mlx_lm.utils.load_model(strict=True)"),
         "ids": ids.astype(np.int64),
         "logits": np.array(prefill[0].astype(mx.float32)),
         "generated": np.array(generated, np.int64),
         "decode_logits": np.stack(decode_logits),
     }
-    path = GOLDEN / f"{ckpt.name}_mlx.npz"
+    path = GOLDEN / f"{name.name}_mlx.npz"
     np.savez_compressed(path, **out)
     return path
 
 
 GOLDENS = {"kda": lambda waste: [make_kda_goldens()], "model": lambda waste: [make_model_goldens(waste)],
-           "k3": make_k3_goldens}
+           "mlx": make_mlx_goldens}
 
 
 def main() -> None:
@@ -239,7 +254,7 @@ def main() -> None:
     parser.add_argument("--waste", default=str(ROOT / ".venv" / "bin" / "waste"),
                         help="the waste command that writes the tiny checkpoints")
     parser.add_argument("--goldens", nargs="+", choices=list(GOLDENS), default=list(GOLDENS),
-                        help="which to write (kda and model need torch, k3 needs mlx-lm)")
+                        help="which to write (kda and model need torch, mlx needs mlx-lm and model's checkpoint)")
     args = parser.parse_args()
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for name in args.goldens:

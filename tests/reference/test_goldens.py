@@ -55,7 +55,8 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 def test_goldens_record_their_versions() -> None:
     torch_side = {"torch", "transformers", "fla-core", "python"}
     for name, packages in (("kda_fla_naive.npz", torch_side), ("kimi_linear_tiny.npz", torch_side),
-                           *((f"{case}_mlx.npz", {"mlx", "mlx-lm", "python"}) for case in K3_CASES)):
+                           *((f"{case}_mlx.npz", {"mlx", "mlx-lm", "python"})
+                             for case in (*K3_CASES, "kimi_linear_tiny"))):
         versions = json.loads(str(_golden(name)["versions"]))
         assert packages <= set(versions), name
         assert all(versions.values()), name
@@ -115,6 +116,32 @@ def test_waste_run_matches_transformers_kimi_linear(golden_container: Path, tmp_
     assert _rel(engine, g["logits"]) <= MODEL_RTOL
 
 
+def _run_against_mlx(container: Path, g: dict[str, np.ndarray], tmp_path: Path) -> None:
+    """`waste run` greedy on the golden's prompt: its logits, then the same tokens as mlx-lm's
+    decode through its cache, with the same logits at each step."""
+    ids, generated = g["ids"], g["generated"]
+    logits = tmp_path / "logits.npy"
+    assert main(["run", str(container), "--prompt-ids", ",".join(str(int(t)) for t in ids),
+                 "--max-new", str(len(generated)), "--temperature", "0", "--logits-out", str(logits)]) == 0
+    engine = np.load(logits)
+    assert engine.shape == (len(ids) + len(generated), g["logits"].shape[1])
+    assert _rel(engine[: len(ids)], g["logits"]) <= MODEL_RTOL
+    # Row len(ids) - 1 + i chose generated token i; row len(ids) + i is the step that read it.
+    np.testing.assert_array_equal(engine[len(ids) - 1: -1].argmax(axis=1), generated)
+    assert _rel(engine[len(ids):], g["decode_logits"]) <= MODEL_RTOL
+
+
+def test_mlx_lm_and_transformers_agree_on_kimi_linear() -> None:
+    """The two independent Kimi-Linear goldens agree on the prompt (each is what it claims to be)."""
+    assert _rel(_golden("kimi_linear_tiny_mlx.npz")["logits"], _golden("kimi_linear_tiny.npz")["logits"]) <= MODEL_RTOL
+
+
+def test_waste_run_decodes_as_mlx_lm_kimi_linear(golden_container: Path, tmp_path: Path) -> None:
+    """Kimi-Linear's decode (KDA's recurrent step, MLA's absorbed form) against mlx-lm's, which
+    transformers' golden (a prompt in one call) does not reach."""
+    _run_against_mlx(golden_container, _golden("kimi_linear_tiny_mlx.npz"), tmp_path)
+
+
 @pytest.fixture(scope="module", params=K3_CASES)
 def k3_case(request, tmp_path_factory) -> tuple[str, dict[str, Path]]:
     """A K3 golden checkpoint converted with an f32 trunk: "mxfp4" keeps its MXFP4 experts (the
@@ -141,17 +168,6 @@ def test_oracle_matches_mlx_lm_kimi_k3(k3_case: tuple[str, dict[str, Path]]) -> 
 
 
 def test_waste_run_matches_mlx_lm_kimi_k3(k3_case: tuple[str, dict[str, Path]], tmp_path: Path) -> None:
-    """`waste run` on K3 (f32 trunk and experts): the prompt's logits, then the same greedy tokens
-    as mlx-lm's decode through its cache, with the same logits at each."""
+    """`waste run` on K3 (f32 trunk and experts) against mlx-lm's prompt and decode."""
     case, k3_containers = k3_case
-    g = _golden(f"{case}_mlx.npz")
-    ids, generated = g["ids"], g["generated"]
-    logits = tmp_path / "logits.npy"
-    assert main(["run", str(k3_containers["f32"]), "--prompt-ids", ",".join(str(int(t)) for t in ids),
-                 "--max-new", str(len(generated)), "--temperature", "0", "--logits-out", str(logits)]) == 0
-    engine = np.load(logits)
-    assert engine.shape == (len(ids) + len(generated), g["logits"].shape[1])
-    assert _rel(engine[: len(ids)], g["logits"]) <= MODEL_RTOL
-    # Row len(ids) - 1 + i chose generated token i; row len(ids) + i is the step that read it.
-    np.testing.assert_array_equal(engine[len(ids) - 1: -1].argmax(axis=1), generated)
-    assert _rel(engine[len(ids):], g["decode_logits"]) <= MODEL_RTOL
+    _run_against_mlx(k3_containers["f32"], _golden(f"{case}_mlx.npz"), tmp_path)
