@@ -1,0 +1,39 @@
+"""waste.analysis.goldens: the engine and the oracle against the stored goldens of other
+implementations, as the token_exact notebook shows them (tests/reference/test_goldens.py holds
+`waste run` itself to them)."""
+
+import json
+import shutil
+from pathlib import Path
+
+from waste.analysis.goldens import GOLDEN_DIR, GOLDENS, format_agreements, golden_agreements
+
+# As tests/reference/test_goldens.py: each side within the 1e-5 an f32 engine is allowed.
+MODEL_RTOL = 2e-5
+
+
+def test_engine_and_oracle_agree_with_every_golden(tmp_path: Path) -> None:
+    rows = golden_agreements(tmp_path)
+    assert [r.golden for r in rows] == [g for g, _, _ in GOLDENS]
+    for r in rows:
+        assert r.prompt_error <= MODEL_RTOL and r.oracle_error <= MODEL_RTOL, r
+        if r.implementation.startswith("mlx-lm"):
+            assert r.decoded == 8 and r.tokens_agreed == r.decoded and r.decode_error <= MODEL_RTOL, r
+            assert {"mlx", "mlx-lm"} <= set(r.versions)
+        else:
+            assert r.decoded == 0 and r.decode_error is None and r.tokens_agreed is None
+    table = format_agreements(rows).splitlines()
+    assert len(table) == 2 + len(rows) and "mlx-lm kimi_k3" in table[-1] and "8/8" in table[-1]
+    # A second call reuses the converted containers; a changed checkpoint is converted afresh.
+    converted = sorted(p.name for p in tmp_path.glob("*.waste"))
+    assert len(converted) == len({c for _, c, _ in GOLDENS})
+    assert golden_agreements(tmp_path, goldens=GOLDENS[:1])[0].prompt_error == rows[0].prompt_error
+    assert sorted(p.name for p in tmp_path.glob("*.waste")) == converted
+    changed = tmp_path / "changed"
+    shutil.copytree(GOLDEN_DIR / "kimi_linear_tiny", changed / "kimi_linear_tiny")
+    shutil.copy(GOLDEN_DIR / GOLDENS[0][0], changed / GOLDENS[0][0])
+    config = json.loads((changed / "kimi_linear_tiny" / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3  # another model: the old conversion would still agree with the golden
+    (changed / "kimi_linear_tiny" / "config.json").write_text(json.dumps(config))
+    moved = golden_agreements(tmp_path, changed, goldens=GOLDENS[:1])[0]
+    assert moved.prompt_error > MODEL_RTOL and len(list(tmp_path.glob("*.waste"))) == len(converted) + 1
