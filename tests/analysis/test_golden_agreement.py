@@ -6,7 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from waste.analysis.goldens import GOLDEN_DIR, GOLDENS, format_agreements, golden_agreements
+from waste.errors import WasteError
 
 # As tests/reference/test_goldens.py: each side within the 1e-5 an f32 engine is allowed.
 MODEL_RTOL = 2e-5
@@ -37,3 +40,8 @@ def test_engine_and_oracle_agree_with_every_golden(tmp_path: Path) -> None:
     (changed / "kimi_linear_tiny" / "config.json").write_text(json.dumps(config))
     moved = golden_agreements(tmp_path, changed, goldens=GOLDENS[:1])[0]
     assert moved.prompt_error > MODEL_RTOL and len(list(tmp_path.glob("*.waste"))) == len(converted) + 1
+
+
+def test_missing_goldens_are_named(tmp_path: Path) -> None:
+    with pytest.raises(WasteError, match="k3_tiny_mlx.npz, k3_tiny .*make_goldens"):
+        golden_agreements(tmp_path / "work", tmp_path, goldens=[g for g in GOLDENS if g[1] == "k3_tiny"])

@@ -22,6 +22,7 @@ import numpy as np
 from waste.container import open_container
 from waste.container.convert import convert
 from waste.engine.model import Model
+from waste.errors import WasteError
 from waste.reference.model import ReferenceModel
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
@@ -69,6 +70,10 @@ def golden_agreements(work_dir: Path, golden_dir: Path = GOLDEN_DIR,
     """Convert each golden's checkpoint (float32 trunk and experts) into work_dir, once per
     version of its files, and hold the engine (prefill, then the golden's tokens decoded one step
     at a time) and the oracle to the golden's logits."""
+    missing = [f for name, checkpoint, _ in goldens for f in (name, checkpoint) if not (golden_dir / f).exists()]
+    if missing:
+        raise WasteError(f"{golden_dir}: no {', '.join(missing)} (the goldens come with the repository's tests; "
+                         f"tools/make_goldens.py writes them)")
     work_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, checkpoint, implementation in goldens:
