@@ -20,6 +20,7 @@ def test_engine_and_oracle_agree_with_every_golden(tmp_path: Path) -> None:
     assert [r.golden for r in rows] == [g for g, _, _ in GOLDENS]
     for r in rows:
         assert r.prompt_error <= MODEL_RTOL and r.oracle_error <= MODEL_RTOL, r
+        assert r.prompt_error <= r.worst_position <= 4 * MODEL_RTOL, r
         if r.implementation.startswith("mlx-lm"):
             assert r.decoded == 8 and r.tokens_agreed == r.decoded and r.decode_error <= MODEL_RTOL, r
             assert {"mlx", "mlx-lm"} <= set(r.versions)
@@ -27,6 +28,9 @@ def test_engine_and_oracle_agree_with_every_golden(tmp_path: Path) -> None:
             assert r.decoded == 0 and r.decode_error is None and r.tokens_agreed is None
     table = format_agreements(rows).splitlines()
     assert len(table) == 2 + len(rows) and "mlx-lm kimi_k3" in table[-1] and "8/8" in table[-1]
+    unchecked = golden_agreements(tmp_path, goldens=GOLDENS[2:3], oracle=False)[0]
+    assert unchecked.oracle_error is None and unchecked.prompt_error == rows[2].prompt_error
+    assert format_agreements([unchecked]).splitlines()[-1].split()[-3] == "-"  # the oracle's column
     # A second call reuses the converted containers; a changed checkpoint is converted afresh.
     converted = sorted(p.name for p in tmp_path.glob("*.waste"))
     assert len(converted) == len({c for _, c, _ in GOLDENS})

@@ -45,7 +45,8 @@ class GoldenAgreement:
     versions: dict[str, str]
     prompt_len: int
     prompt_error: float  # the engine's prefill logits
-    oracle_error: float  # the float64 oracle's logits over the prompt
+    worst_position: float  # the engine's worst single prompt position
+    oracle_error: float | None  # the float64 oracle's logits over the prompt (None: not run)
     decoded: int  # greedy tokens the golden decoded through its cache (0: a prompt only)
     decode_error: float | None  # the engine's decode steps' logits
     tokens_agreed: int | None  # of `decoded`, the engine's greedy choices equal to the golden's
@@ -65,11 +66,11 @@ def _digest(checkpoint: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def golden_agreements(work_dir: Path, golden_dir: Path = GOLDEN_DIR,
-                      goldens: Sequence[tuple[str, str, str]] = GOLDENS) -> list[GoldenAgreement]:
+def golden_agreements(work_dir: Path, golden_dir: Path = GOLDEN_DIR, goldens: Sequence[tuple[str, str, str]] = GOLDENS,
+                      *, oracle: bool = True) -> list[GoldenAgreement]:
     """Convert each golden's checkpoint (float32 trunk and experts) into work_dir, once per
     version of its files, and hold the engine (prefill, then the golden's tokens decoded one step
-    at a time) and the oracle to the golden's logits."""
+    at a time) and, with `oracle`, the float64 oracle to the golden's logits."""
     missing = [f for name, checkpoint, _ in goldens for f in (name, checkpoint) if not (golden_dir / f).exists()]
     if missing:
         raise WasteError(f"{golden_dir}: no {', '.join(missing)} (the goldens come with the repository's tests; "
@@ -93,11 +94,13 @@ def golden_agreements(work_dir: Path, golden_dir: Path = GOLDEN_DIR,
                 agreed += int(np.argmax(last)) == token
                 last = model.decode(session, token)
                 steps.append(last)
-            oracle = ReferenceModel(c).forward(np.array(ids)).logits
+            reference = ReferenceModel(c).forward(np.array(ids)).logits if oracle else None
         rows.append(GoldenAgreement(
             golden=name, checkpoint=checkpoint, implementation=implementation,
             versions=json.loads(str(g["versions"])), prompt_len=len(ids),
-            prompt_error=_relative(prompt, g["logits"]), oracle_error=_relative(oracle, g["logits"]),
+            prompt_error=_relative(prompt, g["logits"]),
+            worst_position=max(_relative(row, want) for row, want in zip(prompt, g["logits"], strict=True)),
+            oracle_error=_relative(reference, g["logits"]) if reference is not None else None,
             decoded=len(generated), decode_error=_relative(np.stack(steps), g["decode_logits"]) if steps else None,
             tokens_agreed=agreed if generated else None))
     return rows
@@ -105,12 +108,15 @@ def golden_agreements(work_dir: Path, golden_dir: Path = GOLDEN_DIR,
 
 def format_agreements(rows: Sequence[GoldenAgreement]) -> str:
     """A table of `golden_agreements`, one row a golden."""
-    head = f"{'implementation':36s} {'checkpoint':16s} {'engine prompt':>13s} {'oracle prompt':>13s} " \
-           f"{'engine decode':>13s} {'tokens':>7s}"
+    head = f"{'implementation':36s} {'checkpoint':16s} {'engine prompt':>13s} {'worst position':>14s} " \
+           f"{'oracle prompt':>13s} {'engine decode':>13s} {'tokens':>7s}"
     lines = [head, "-" * len(head)]
+
+    def cell(x: float | None, width: int) -> str:
+        return f"{x:{width}.2e}" if x is not None else f"{'-':>{width}s}"
+
     for r in rows:
-        decode = f"{r.decode_error:13.2e}" if r.decode_error is not None else f"{'-':>13s}"
         tokens = f"{r.tokens_agreed}/{r.decoded}" if r.tokens_agreed is not None else "-"
-        lines.append(f"{r.implementation:36s} {r.checkpoint:16s} {r.prompt_error:13.2e} {r.oracle_error:13.2e} "
-                     f"{decode} {tokens:>7s}")
+        lines.append(f"{r.implementation:36s} {r.checkpoint:16s} {r.prompt_error:13.2e} {r.worst_position:14.2e} "
+                     f"{cell(r.oracle_error, 13)} {cell(r.decode_error, 13)} {tokens:>7s}")
     return "\n".join(lines)
