@@ -210,6 +210,19 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"best": max(values), "median": float(np.median(values)), "all": values}
 
 
+# A round whose copy beside it fell below this fraction of the run's best copy ran while the host
+# had slowed: on 2026-12-05 a run whose rounds copied at 52-74% of the copy before them found both
+# sides three to four times slower than a run 13 minutes later (docs/MEASURED.md).
+SLOW_HOST_FRACTION = 0.75
+
+
+def slow_rounds(copies: list[float]) -> list[int]:
+    """The rounds (from 1) whose copy, copies[round], fell below SLOW_HOST_FRACTION of the run's
+    best (copies[0] is the one before the rounds)."""
+    best = max(copies)
+    return [r for r in range(1, len(copies)) if copies[r] < SLOW_HOST_FRACTION * best]
+
+
 def targets(rows: dict[str, Any], q4_bandwidth_fraction: float) -> list[tuple[str, float, float]]:
     """(issue #17 target, measured, required): the best ratios; the q4 bandwidth fraction as its
     median over rounds, each round against the copy measured beside it."""
@@ -344,6 +357,12 @@ def main() -> int:
           f"the best copy of the run ({max(copies):.1f} GB/s): {100 * q4_best:.0f}%. Against a plain read of "
           f"memory on as many threads beside it (the copy counts its writes too): median {100 * q4_of_read:.0f}% "
           f"(reads {min(reads[1:]):.1f}-{max(reads[1:]):.1f} GB/s)")
+    slow = slow_rounds(copies)
+    if slow:
+        print(f"\nthe host slowed during this run: the copy beside round(s) {', '.join(map(str, slow))} ran at "
+              f"{min(copies[r] for r in slow):.1f}-{max(copies[r] for r in slow):.1f} GB/s, under "
+              f"{100 * SLOW_HOST_FRACTION:.0f}% of the run's best ({max(copies):.1f}); both sides' tok/s in those "
+              f"rounds are not this machine's usual, and a run on a quieter host is worth a second look")
     met = targets(rows, q4_paired)
     print("\nissue #17 targets:")
     for name, value, need in met:
@@ -357,6 +376,7 @@ def main() -> int:
         "agreement_f32": check, "formats": rows, "copy_bandwidth_per_round_gbps": copies[1:],
         "q4_fraction_of_copy_bandwidth_paired_median": q4_paired, "q4_best_decode_over_best_copy": q4_best,
         "read_bandwidth_per_round_gbps": reads[1:], "q4_fraction_of_read_bandwidth_paired_median": q4_of_read,
+        "rounds_on_a_slowed_host": slow,
         "targets": [{"target": n, "measured": v, "required": q, "met": v >= q} for n, v, q in met],
     })  # write_json says where
     return 0
