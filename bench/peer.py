@@ -214,6 +214,9 @@ def stats(values: list[float]) -> dict[str, float]:
 # had slowed: on 2026-12-05 a run whose rounds copied at 52-74% of the copy before them found both
 # sides three to four times slower than a run 13 minutes later (docs/MEASURED.md).
 SLOW_HOST_FRACTION = 0.75
+# A load average at the start above this (one-minute, runnable threads) means other work held the
+# cores when the run began (an idle guest of this project shows 0.0-0.3 between runs).
+BUSY_LOAD = 0.8
 
 
 def slow_rounds(copies: list[float]) -> list[int]:
@@ -358,6 +361,9 @@ def main() -> int:
           f"memory on as many threads beside it (the copy counts its writes too): median {100 * q4_of_read:.0f}% "
           f"(reads {min(reads[1:]):.1f}-{max(reads[1:]):.1f} GB/s)")
     slow = slow_rounds(copies)
+    if load_before[0] >= BUSY_LOAD:
+        print(f"\nthe machine was busy when this run began (load average {load_before[0]:.2f} over the last "
+              f"minute): other work shared the cores with both sides, so neither ran at this machine's usual speed")
     if slow:
         print(f"\nthe host slowed during this run: the copy beside round(s) {', '.join(map(str, slow))} ran at "
               f"{min(copies[r] for r in slow):.1f}-{max(copies[r] for r in slow):.1f} GB/s, under "
