@@ -259,6 +259,24 @@ def free_page_reporting(devices: Path = Path("/sys/bus/virtio/devices")) -> bool
     return None
 
 
+def busy_fraction(seconds: float = 1.0, stat: Path = Path("/proc/stat")) -> float | None:
+    """The share of this machine's CPU time other work used over the next `seconds` (all CPUs,
+    from /proc/stat's first line: 1 - idle and iowait over the total), or None where there is no
+    /proc/stat. Unlike the load average, which decays over minutes, it says whether the cores are
+    busy now, not whether a run just before was."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields[:8]), fields[3] + fields[4]  # user..steal, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, core count, Numba threads, library versions, and whether freed memory goes
     back to the host (`free_page_reporting`)."""

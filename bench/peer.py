@@ -214,9 +214,9 @@ def stats(values: list[float]) -> dict[str, float]:
 # had slowed: on 2026-12-05 a run whose rounds copied at 52-74% of the copy before them found both
 # sides three to four times slower than a run 13 minutes later (docs/MEASURED.md).
 SLOW_HOST_FRACTION = 0.75
-# A load average at the start above this (one-minute, runnable threads) means other work held the
-# cores when the run began (an idle guest of this project shows 0.0-0.3 between runs).
-BUSY_LOAD = 0.8
+# Other work's share of the CPUs over a second as a run begins above which it says so (an idle
+# guest of this project shows 0-2%; a busy loop on one of two cores, 50%).
+BUSY_SHARE = 0.1
 
 
 def slow_rounds(copies: list[float]) -> list[int]:
@@ -270,6 +270,7 @@ def main() -> int:
 
     info = common.machine_info()
     load_before = os.getloadavg()
+    busy = common.busy_fraction()  # before this process starts any threads of its own
     header = (f"{info['cpu']}, {info['cores']} cores, {args.threads} threads each side; llama.cpp from "
               f"llama-cpp-python {PEER_VERSION} (vendored llama.cpp), CPU only, GGML_NATIVE, built WITHOUT AMX "
               f"({NO_AMX}); load average before {load_before}")
@@ -361,9 +362,10 @@ def main() -> int:
           f"memory on as many threads beside it (the copy counts its writes too): median {100 * q4_of_read:.0f}% "
           f"(reads {min(reads[1:]):.1f}-{max(reads[1:]):.1f} GB/s)")
     slow = slow_rounds(copies)
-    if load_before[0] >= BUSY_LOAD:
-        print(f"\nthe machine was busy when this run began (load average {load_before[0]:.2f} over the last "
-              f"minute): other work shared the cores with both sides, so neither ran at this machine's usual speed")
+    if busy is not None and busy >= BUSY_SHARE:
+        print(f"\nthe machine was busy when this run began (other work used {100 * busy:.0f}% of the CPUs over a "
+              f"second): it may have shared the cores with both sides, so that neither ran at this machine's usual "
+              f"speed")
     if slow:
         print(f"\nthe host slowed during this run: the copy beside round(s) {', '.join(map(str, slow))} ran at "
               f"{min(copies[r] for r in slow):.1f}-{max(copies[r] for r in slow):.1f} GB/s, under "
@@ -382,7 +384,7 @@ def main() -> int:
         "agreement_f32": check, "formats": rows, "copy_bandwidth_per_round_gbps": copies[1:],
         "q4_fraction_of_copy_bandwidth_paired_median": q4_paired, "q4_best_decode_over_best_copy": q4_best,
         "read_bandwidth_per_round_gbps": reads[1:], "q4_fraction_of_read_bandwidth_paired_median": q4_of_read,
-        "rounds_on_a_slowed_host": slow,
+        "rounds_on_a_slowed_host": slow, "cpu_busy_at_start": busy,
         "targets": [{"target": n, "measured": v, "required": q, "met": v >= q} for n, v, q in met],
     })  # write_json says where
     return 0
