@@ -17,7 +17,6 @@ waste's side:
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import subprocess
 import sys
@@ -25,32 +24,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from make_goldens import mlx_outputs, mlx_readable  # tools/, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def mlx_side(ckpt: Path, prompt_len: int, new: int, out: Path) -> None:
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
-    config = json.loads((ckpt / "config.json").read_text())
-    if "text_config" not in config:  # mlx-lm's kimi_linear asks for these; NoPE MLA with its dimensions uses neither
-        config.update(head_dim=config["v_head_dim"], rope_theta=10000.0)
-        (ckpt / "config.json").write_text(json.dumps(config))
-    model, _ = load_model(ckpt, strict=True)
-    ids = np.random.default_rng(0).integers(0, config.get("text_config", config)["vocab_size"], prompt_len)
-    prefill = model(mx.array(ids)[None])[0]
-    cache = model.make_cache()
-    last = model(mx.array(ids)[None], cache=cache)[0, -1]
-    generated, steps = [], []
-    for _ in range(new):
-        token = int(mx.argmax(last).item())
-        last = model(mx.array([[token]]), cache=cache)[0, -1]
-        generated.append(token)
-        steps.append(np.array(last.astype(mx.float32)))
-    versions = {n: importlib.metadata.version(n) for n in ("mlx", "mlx-lm")}
-    np.savez(out, ids=ids, logits=np.array(prefill.astype(mx.float32)), generated=np.array(generated, np.int64),
-             decode_logits=np.stack(steps), versions=np.array(json.dumps(versions)))
 
 
 def engine_side(preset: str, ckpt: Path, golden: Path, work: Path) -> None:
@@ -75,8 +51,11 @@ def main() -> None:
         ckpt = Path(tmp) / "ckpt"
         subprocess.run([str(args.venv / "bin" / "waste"), "synth", args.preset, str(ckpt), "--dtype", "f32"],
                        check=True, stdout=subprocess.DEVNULL)
+        readable = mlx_readable(ckpt, Path(tmp) / "mlx-ckpt")
+        vocab = json.loads((ckpt / "config.json").read_text())
+        ids = np.random.default_rng(0).integers(0, vocab.get("text_config", vocab)["vocab_size"], args.prompt_len)
         golden = Path(tmp) / "mlx.npz"
-        mlx_side(ckpt, args.prompt_len, args.new, golden)
+        np.savez(golden, **mlx_outputs(readable, ids, args.new))
         print(f"{args.preset}, mlx-lm against waste's engine:", flush=True)
         subprocess.run([str(args.venv / "bin" / "python"), __file__, args.preset, "--engine-side", str(ckpt),
                         str(golden), str(Path(tmp) / "work")], check=True)

@@ -191,9 +191,8 @@ def make_model_goldens(waste: str) -> Path:
 
 
 def make_mlx_goldens(waste: str) -> list[Path]:
-    """The K3 checkpoints and their goldens, and the Kimi-Linear one of `make_model_goldens` through
-    mlx-lm's kimi_linear (which needs head_dim and rope_theta in the config, both unused by this
-    model's NoPE MLA with its dimensions given: supplied on a copy of the checkpoint)."""
+    """The K3 checkpoints and their goldens, and the Kimi-Linear one of `make_model_goldens`
+    through mlx-lm's kimi_linear."""
     with tempfile.TemporaryDirectory() as tmp:
         config = json.loads((ROOT / "waste" / "presets" / "k3-tiny.json").read_text())
         config["text_config"].update(K3_VARIANT)
@@ -201,48 +200,57 @@ def make_mlx_goldens(waste: str) -> list[Path]:
         variant.write_text(json.dumps(config, indent=2))
         cases = [synth_checkpoint(waste, "k3-tiny", "k3_tiny"),
                  synth_checkpoint(waste, str(variant), "k3_tiny_variant", "--attn-res-spelling", "dotted")]
-    paths = [mlx_golden(ckpt, ckpt, "kimi_k3") for ckpt in cases]
-    linear = GOLDEN / "kimi_linear_tiny"
+    paths = []
     with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / linear.name
-        shutil.copytree(linear, copy)
-        config = json.loads((copy / "config.json").read_text())
-        config.update(head_dim=config["v_head_dim"], rope_theta=10000.0)
-        (copy / "config.json").write_text(json.dumps(config, indent=2))
-        paths.append(mlx_golden(copy, linear, "kimi_linear"))
+        for ckpt in [*cases, GOLDEN / "kimi_linear_tiny"]:
+            readable = mlx_readable(ckpt, Path(tmp) / ckpt.name)
+            vocab = json.loads((ckpt / "config.json").read_text())
+            out = mlx_outputs(readable, prompt_ids(vocab.get("text_config", vocab)["vocab_size"]), MLX_DECODED)
+            paths.append(GOLDEN / f"{ckpt.name}_mlx.npz")
+            np.savez_compressed(paths[-1], **out)
     return paths
 
 
-def mlx_golden(ckpt: Path, name: Path, model_file: str) -> Path:
-    """<name>_mlx.npz: mlx-lm's model on the checkpoint ckpt (see the module doc)."""
+def mlx_readable(ckpt: Path, scratch: Path) -> Path:
+    """The checkpoint as mlx-lm loads it: K3's as it is; a Kimi-Linear one copied to `scratch`
+    with head_dim and rope_theta added to its config, which mlx-lm's kimi_linear asks for and this
+    NoPE MLA with its dimensions given uses neither of."""
+    config = json.loads((ckpt / "config.json").read_text())
+    if "text_config" in config:
+        return ckpt
+    shutil.copytree(ckpt, scratch)
+    config.update(head_dim=config["v_head_dim"], rope_theta=10000.0)
+    (scratch / "config.json").write_text(json.dumps(config, indent=2))
+    return scratch
+
+
+def mlx_outputs(ckpt: Path, ids: np.ndarray, new: int) -> dict[str, np.ndarray]:
+    """mlx-lm's model on the checkpoint (see the module doc): the prompt's logits in one call,
+    then `new` greedy tokens decoded one at a time through its cache, with their logits."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.utils import load_model
 
     model, _ = load_model(ckpt, strict=True)  # mlx-lm's own sanitize maps every checkpoint name
-    cfg = json.loads((ckpt / "config.json").read_text())
-    ids = prompt_ids(cfg.get("text_config", cfg)["vocab_size"])
+    model_file = type(model).__module__.rsplit(".", 1)[-1]
     prefill = model(mx.array(ids)[None])  # the whole prompt in one call, no cache
     cache = model.make_cache()
     last = model(mx.array(ids)[None], cache=cache)[0, -1]
     generated, decode_logits = [], []
-    for _ in range(MLX_DECODED):  # greedy, one token a call through the cache
+    for _ in range(new):  # greedy, one token a call through the cache
         token = int(mx.argmax(last).item())
         last = model(mx.array([[token]]), cache=cache)[0, -1]
         generated.append(token)
         decode_logits.append(np.array(last.astype(mx.float32)))
-    out = {
+    return {
         "versions": np.array(versions(MLX_PACKAGES)),
         "source": np.array(f"mlx-lm {mlx_lm.__version__} models/{model_file}.py on mlx {mx.__version__}'s CPU, "
                            f"float32; loaded by mlx_lm.utils.load_model(strict=True)"),
-        "ids": ids.astype(np.int64),
+        "ids": np.asarray(ids, np.int64),
         "logits": np.array(prefill[0].astype(mx.float32)),
         "generated": np.array(generated, np.int64),
         "decode_logits": np.stack(decode_logits),
     }
-    path = GOLDEN / f"{name.name}_mlx.npz"
-    np.savez_compressed(path, **out)
-    return path
 
 
 GOLDENS = {"kda": lambda waste: [make_kda_goldens()], "model": lambda waste: [make_model_goldens(waste)],

@@ -1,8 +1,8 @@
 """The kernels, the float64 oracle and `waste run` against numbers from independent code.
 
 tests/golden/ holds outputs of fla-core's naive KDA, of transformers' KimiLinearForCausalLM and
-of mlx-lm's kimi_k3 model (versions inside each file; `tools/make_goldens.py` regenerates them
-where torch, fla-core and transformers, or mlx and mlx-lm, are installed). Agreement with the
+of mlx-lm's kimi_linear and kimi_k3 models (versions inside each file; `tools/make_goldens.py`
+regenerates them where torch, fla-core and transformers, or mlx and mlx-lm, are installed). Agreement with the
 oracle alone would not catch a misreading of the specification that the oracle and the kernels
 share; these would. K3's is the only check of AttnRes, the latent MoE, SiTU, grouped routing and
 MXFP4 decoding against code written by others.
@@ -12,7 +12,7 @@ Tolerances (u = 2**-24, float32's unit roundoff; relative to the golden's larges
   result as our kernels: each within the random-walk bound of tests/kernels/test_kda_decays.py,
   4 u sqrt(T) (3.8e-6 at T = 256), hence 8 u sqrt(T) between a kernel and fla, and 4 u sqrt(T)
   between the float64 oracle and fla.
-- Model: transformers (mlx-lm for K3) runs the tiny model in float32 through 5 layers; the
+- Model: transformers or mlx-lm runs the tiny model in float32 through 5 layers; the
   oracle (float64) and the f32 engine each stay within the 1e-5 relative L2 that `waste check`
   allows an f32 engine, so 2e-5 relative L2 between either and the other implementation.
 """
