@@ -17,8 +17,8 @@ the specification that waste's kernels and its float64 oracle have in common sho
 - k3_tiny/ (config.json + model.safetensors) and k3_tiny_mlx.npz: a tiny random Kimi K3
   checkpoint in K3's own layout (`waste synth k3-tiny`, f32 trunk, MXFP4 routed experts under a
   compressed-tensors quantization_config), and what mlx-lm's `kimi_k3` model computes from it on
-  the CPU, loaded by mlx-lm's own `load_model` and `sanitize`: the logits of a prompt in one call,
-  then greedy tokens decoded one at a time through its cache with their logits.
+  the CPU, loaded by mlx-lm's own `load_model` and `sanitize`: the logits of a 96-token prompt in
+  one call, then greedy tokens decoded one at a time through its cache with their logits.
   k3_tiny_variant/ and k3_tiny_variant_mlx.npz the same for k3-tiny's other forms
   (K3_VARIANT): the latent MoE's norm, SiTU with a null beta and a linear beta, AttnRes blocks of
   3 over 5 layers with the dotted tensor names, MLA with a plain query and no output gate.
@@ -64,7 +64,10 @@ KDA_SHAPE = (256, 2, 32, 32)  # T, H, K, V: four fla chunks of 64
 FLOOR = -5.0
 PROMPT_LEN = 24
 CHECKPOINT_SEED = 11
-MLX_DECODED = 8  # greedy tokens mlx-lm decodes one at a time after the prompt
+# mlx-lm's prompts are longer than transformers' (PROMPT_LEN, their first tokens): past MLA
+# prefill's 64-key blocks and several AttnRes and KDA passes. Then greedy tokens one at a time.
+MLX_PROMPT_LEN = 96
+MLX_DECODED = 8
 # k3-tiny's text_config with the forms the preset leaves out, for k3_tiny_variant.
 K3_VARIANT = {"latent_moe_use_norm": True, "activation_situ_beta": None, "activation_situ_linear_beta": 1.5,
               "attn_res_block_size": 3, "q_lora_rank": None, "mla_use_output_gate": False}
@@ -156,8 +159,9 @@ def synth_checkpoint(waste: str, preset: str, name: str, *extra: str) -> Path:
     return ckpt
 
 
-def prompt_ids(vocab_size: int) -> np.ndarray:
-    return np.random.default_rng(CHECKPOINT_SEED).integers(0, vocab_size, PROMPT_LEN)
+def prompt_ids(vocab_size: int, length: int = PROMPT_LEN) -> np.ndarray:
+    """The goldens' prompt: a longer one begins with a shorter one's tokens."""
+    return np.random.default_rng(CHECKPOINT_SEED).integers(0, vocab_size, length)
 
 
 def make_model_goldens(waste: str) -> Path:
@@ -205,7 +209,8 @@ def make_mlx_goldens(waste: str) -> list[Path]:
         for ckpt in [*cases, GOLDEN / "kimi_linear_tiny"]:
             readable = mlx_readable(ckpt, Path(tmp) / ckpt.name)
             vocab = json.loads((ckpt / "config.json").read_text())
-            out = mlx_outputs(readable, prompt_ids(vocab.get("text_config", vocab)["vocab_size"]), MLX_DECODED)
+            ids = prompt_ids(vocab.get("text_config", vocab)["vocab_size"], MLX_PROMPT_LEN)
+            out = mlx_outputs(readable, ids, MLX_DECODED)
             paths.append(GOLDEN / f"{ckpt.name}_mlx.npz")
             np.savez_compressed(paths[-1], **out)
     return paths
