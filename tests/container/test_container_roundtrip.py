@@ -180,6 +180,7 @@ def test_mxfp4_experts_are_not_held_twice(tmp_path_factory: pytest.TempPathFacto
         assert not c.experts_in_memory and c._expert_copy is None
         w1 = c.expert(c.config.moe_layers[0], 0)[0]
         assert w1.fmt == "mxfp4" and np.shares_memory(w1.buffers["packed"], c._experts)  # the map's
+        assert "_qargs" in vars(w1)  # repacked where the store decodes it, before its pages go
         from waste.engine.memory import mapped_rss
 
         for layer in c.config.moe_layers:

@@ -12,6 +12,7 @@ from waste.cli import main
 from waste.container import open_container
 from waste.container.convert import convert
 from waste.errors import WasteError
+from waste.kernels import mxfp4
 from waste.synth import synthesize
 from waste.synth_container import synthesize_container
 from waste.testing import tiny_config
@@ -53,13 +54,21 @@ def test_same_bytes_as_synth_then_convert(tmp_path: Path, quant: str) -> None:
 
 
 @pytest.mark.parametrize(("preset", "quant"), [("k3-tiny", "q8"), ("k3-tiny", "f32"), ("k3-mini", "q4")])
-def test_k3_same_bytes_as_synth_then_convert(tmp_path: Path, preset: str, quant: str) -> None:
+def test_k3_same_bytes_as_synth_then_convert(tmp_path: Path, preset: str, quant: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A K3 config's routed experts go in as MXFP4, the bytes synth's checkpoint holds and convert
-    keeps: the same container as synth then convert, its experts MXFP4 (was refused)."""
+    keeps: the same container as synth then convert, its experts MXFP4 (was refused). Neither
+    path repacks them for the kernels: the writer stores the bytes as they are."""
     hf = synthesize(preset, tmp_path / "hf", seed=5, dtype="f32")
-    via_checkpoint = convert(hf, tmp_path / "a.waste", quant=quant, progress=False)
-    direct = synthesize_container(preset, tmp_path / "b.waste", quant=quant, seed=5, progress=False, threads=2,
-                                  max_pending_bytes=1)
+
+    def no_repack(*args: object) -> None:
+        raise AssertionError("an MXFP4 expert was repacked for the kernels on its way to the container")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(mxfp4, "repack_interleaved", no_repack)
+        via_checkpoint = convert(hf, tmp_path / "a.waste", quant=quant, progress=False)
+        direct = synthesize_container(preset, tmp_path / "b.waste", quant=quant, seed=5, progress=False,
+                                      threads=2, max_pending_bytes=1)
     for name in ("trunk.bin", "experts.bin"):
         assert (direct / name).read_bytes() == (via_checkpoint / name).read_bytes(), name
     assert _manifest_without_source(direct) == _manifest_without_source(via_checkpoint)

@@ -137,6 +137,26 @@ def test_matmul_pair_equals_two_products() -> None:
         np.testing.assert_array_equal(yb, b.matmul(X))
 
 
+def test_repacked_at_the_first_product_or_when_prepared() -> None:
+    """The kernels' repacked copy is made at the first product (or `prepare`), once: a matrix only
+    stored (convert, synth) or dequantised never makes it."""
+    rng = np.random.default_rng(33)
+    w = _weights(rng, 40, 96)
+    m = quantize(w, "mxfp4")
+    assert "_qargs" not in vars(m)
+    m.dequantize()
+    m.take_rows(np.array([3]))
+    assert "_qargs" not in vars(m)
+    x = rng.standard_normal(96).astype(np.float32)
+    y = m.matvec(x)
+    copy = vars(m)["_qargs"][0]
+    np.testing.assert_array_equal(m.matvec(x), y)
+    assert vars(m)["_qargs"][0] is copy  # not repacked again
+    prepared = from_buffers("mxfp4", m.shape, dict(m.buffers))
+    assert prepared.prepare() is prepared and "_qrow" in vars(prepared)
+    np.testing.assert_array_equal(prepared.matvec(x), y)
+
+
 def test_dequantize_take_rows_and_edges() -> None:
     rng = np.random.default_rng(5)
     w = _weights(rng, 37, 96)

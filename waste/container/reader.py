@@ -389,9 +389,12 @@ class Container:
     def _decode(self, base: np.ndarray, start: int) -> tuple[QMatrix, QMatrix, QMatrix]:
         from waste.kernels.quant import from_buffers
 
+        # Prepared here: an expert is decoded by the store's reader threads, and the map's pages of
+        # an MXFP4 expert leave the process once its copy is repacked (see `expert`).
         parts = {}
         for p in self._manifest.experts.parts:
-            parts[p.name] = from_buffers(p.storage, (p.shape[0], p.shape[1]), self._views(base, p, start + p.offset))
+            views = self._views(base, p, start + p.offset)
+            parts[p.name] = from_buffers(p.storage, (p.shape[0], p.shape[1]), views).prepare()
         return parts["w1"], parts["w3"], parts["w2"]
 
     def expert_span(self, layer: int, expert: int) -> tuple[int, int]:

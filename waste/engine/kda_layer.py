@@ -153,7 +153,7 @@ class KDALayer:
             )
         if self._decode_batches is not None and o_proj.fmt in Q_FORMATS:
             a, b = self._decode_batches
-            qs, scales, tscale, _, no_qs, no_scales = o_proj._qargs  # type: ignore[attr-defined]
+            qs, scales, tscale, _, no_qs, no_scales = o_proj._qargs
             self._step_args = (
                 (self._x_rows, a.table, a.tscales, a.first_format, *a.likes,
                  self._mid_rows, b.table, b.tscales, b.first_format, *b.likes, len(gate) == 2, self.taps3),
@@ -278,7 +278,7 @@ class KDALayer:
         H, K = self.H, self.K
         if self._step_args is not None:
             products, gates, output = self._step_args
-            y = np.empty((1, self.o_proj._qargs[3]), np.float32)  # type: ignore[attr-defined]
+            y = np.empty((1, self.o_proj._qargs[3]), np.float32)
             g = np.empty((H, K), np.float32)
             beta = np.empty(H, np.float32)
             kda_decode_step(x[None, :], *products, state.conv, *gates, state.base, state.pending_k, state.pending_d,

@@ -105,9 +105,9 @@ class MLALayer:
         if (batchable(of_x) and o_proj.fmt in Q_FORMATS
                 and (q_b_proj is None or q_b_proj.fmt in Q_FORMATS)):
             batch = QBatch(of_x)
-            qs, scales, tscale, _, no_qs, no_scales = o_proj._qargs  # type: ignore[attr-defined]
+            qs, scales, tscale, _, no_qs, no_scales = o_proj._qargs
             if q_b_proj is not None:
-                b_qs, b_scales, b_tscale, _, b_no_qs, b_no_scales = q_b_proj._qargs  # type: ignore[attr-defined]
+                b_qs, b_scales, b_tscale, _, b_no_qs, b_no_scales = q_b_proj._qargs
                 q_norm = np.ascontiguousarray(q_a_norm, np.float32)
             else:  # no second query product: arrays that hold nothing
                 b_qs, b_scales, b_tscale, b_no_qs, b_no_scales = no_qs, no_scales, tscale, no_qs, no_scales
@@ -252,7 +252,7 @@ class MLALayer:
         n = self._reserve(1, cache) + 1
         before, output = self._step_args  # type: ignore[misc]
         probs = np.empty((self.H, n), np.float32)
-        y = np.empty((1, self.o_proj._qargs[3]), np.float32)  # type: ignore[attr-defined]  # rows padded to 16
+        y = np.empty((1, self.o_proj._qargs[3]), np.float32)  # rows padded to 16
         mla_decode_step(x, *before, latent, n, np.float32(self.scale), decode_ranges(n), DECODE_BLOCK, *output, probs,
                         y, num_threads())
         cache.length = n

@@ -92,10 +92,10 @@ class ExpertTables:
             self.gate_up[row] = dense_table([gate, up])
             self.down[row] = dense_table([down])[0]
         else:
-            self.gate_up[row] = np.frombuffer(gate._qrow + up._qrow, np.int64).reshape(2, 4)  # type: ignore[attr-defined]
-            self.gate_up_tscales[row] = np.frombuffer(gate._qtscale + up._qtscale, np.float32)  # type: ignore[attr-defined]
-            self.down[row] = np.frombuffer(down._qrow, np.int64)  # type: ignore[attr-defined]
-            self.down_tscales[row] = np.frombuffer(down._qtscale, np.float32)[0]  # type: ignore[attr-defined]
+            self.gate_up[row] = np.frombuffer(gate._qrow + up._qrow, np.int64).reshape(2, 4)
+            self.gate_up_tscales[row] = np.frombuffer(gate._qtscale + up._qtscale, np.float32)
+            self.down[row] = np.frombuffer(down._qrow, np.int64)
+            self.down_tscales[row] = np.frombuffer(down._qtscale, np.float32)[0]
         self.experts[row] = expert
         self.known[row] = True
 

@@ -50,16 +50,16 @@ class QBatch:
         self.matrices = list(matrices)
         self.k = matrices[0].shape[1]
         # [M, 4]: codes' address, scales' address, row blocks of 16, format (index in Q_FORMATS)
-        rows = bytearray(b"".join([m._qrow for m in matrices]))  # type: ignore[attr-defined]
+        rows = bytearray(b"".join([m._qrow for m in matrices]))
         self.table = np.frombuffer(rows, np.int64).reshape(-1, 4)
-        tscales = bytearray(b"".join([m._qtscale for m in matrices]))  # type: ignore[attr-defined]
+        tscales = bytearray(b"".join([m._qtscale for m in matrices]))
         self.tscales = np.frombuffer(tscales, np.float32)  # [M]
         first = matrices[0]
         other = next((m for m in matrices if m.fmt != first.fmt), first)
         self.first_format = Q_FORMATS.index(first.fmt)
         # (codes, scales) that hold no rows, one pair per format: they pick each format's kernel
-        self.likes = (*first._qargs[4:], *other._qargs[4:])  # type: ignore[attr-defined]
-        self.width = max(m._qargs[3] for m in matrices)  # type: ignore[attr-defined]  # rows padded to 16
+        self.likes = (*first._qargs[4:], *other._qargs[4:])
+        self.width = max(m._qargs[3] for m in matrices)  # rows padded to 16
 
     def __call__(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """X [R, K] float32 C-contiguous, rows [M] int64 in [0, R) (the caller's promise: unchecked)."""

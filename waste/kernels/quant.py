@@ -37,6 +37,7 @@ Shapes: x [K], X [T, K], y [N], Y [T, N].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import ml_dtypes
 import numpy as np
@@ -66,32 +67,51 @@ class QMatrix:
     shape: tuple[int, int]
     buffers: dict[str, np.ndarray]
 
-    def __post_init__(self) -> None:
-        # A one-token decode makes hundreds of products, so what a q product derives from the
-        # buffers (the kernel, contiguous buffers, the scales' uint16 view) is derived once here.
+    # What the products read, derived from the buffers once, at the first product or `prepare`, not
+    # at construction: a writer storing an MXFP4 matrix verbatim never pays for its repack.
+    @cached_property
+    def _qargs(self) -> tuple:
+        """A q product's arguments: (qs, scales, tscale, rows padded to 16, and qs[:0], scales[:0],
+        the empty second matrix of a single product). A one-token decode makes hundreds of
+        products, so the contiguous buffers and the scales' uint16 view are derived once."""
         if self.fmt in ("q8g", "q4g"):
             qs, scales, tscale = (np.ascontiguousarray(self.buffers[b]) for b in ("qs", "scales", "tscale"))
             scales = scales.view(np.uint16)
         elif self.fmt == "mxfp4":
             # The stored bytes stay as they are; the kernels read a copy in the 16-row interleave,
-            # made once here, as large as the stored bytes (waste.kernels.mxfp4).
+            # as large as the stored bytes (waste.kernels.mxfp4).
             nb, g = padded_shape(self.shape)
             qs, scales = np.empty((nb, g, BLOCK_BYTES["mxfp4"]), np.uint8), np.empty((nb, g, ROWS), np.uint8)
             mxfp4.repack_interleaved(self.buffers["packed"], self.buffers["scales"], qs, scales)
             tscale = MXFP4_TSCALE
         else:
-            # A row of a dense_products table: where the weights live, and their rows.
-            object.__setattr__(self, "_drow", np.array((self.buffers["w"].ctypes.data, self.shape[0]),
-                                                       np.int64).tobytes())
-            return
-        # qs[:0], scales[:0]: the empty second matrix of a single product
-        object.__setattr__(self, "_qargs", (qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]))
-        # This matrix's row of a QBatch table (where the kernels' buffers live, its row blocks, its
-        # format) and its tensor scale, as bytes: a batch joins its matrices' bytes into arrays in
-        # about a microsecond, where NumPy takes ten to convert a list of tuples.
-        row = (qs.ctypes.data, scales.ctypes.data, qs.shape[0], Q_FORMATS.index(self.fmt))
-        object.__setattr__(self, "_qrow", np.array(row, np.int64).tobytes())
-        object.__setattr__(self, "_qtscale", np.float32(tscale[0]).tobytes())
+            raise WasteError(f"{self.fmt} matrix {self.shape}: not a q format ({', '.join(Q_FORMATS)})")
+        return qs, scales, tscale, qs.shape[0] * ROWS, qs[:0], scales[:0]
+
+    @cached_property
+    def _qrow(self) -> bytes:
+        """This matrix's row of a QBatch table as bytes (where the kernels' buffers live, its row
+        blocks, its format): a batch joins its matrices' bytes into arrays in about a microsecond,
+        where NumPy takes ten to convert a list of tuples."""
+        qs, scales = self._qargs[:2]
+        return np.array((qs.ctypes.data, scales.ctypes.data, qs.shape[0], Q_FORMATS.index(self.fmt)),
+                        np.int64).tobytes()
+
+    @cached_property
+    def _qtscale(self) -> bytes:
+        """The tensor scale as float32 bytes, for a QBatch table."""
+        return np.float32(self._qargs[2][0]).tobytes()
+
+    @cached_property
+    def _drow(self) -> bytes:
+        """A float matrix's row of a dense_products table: where the weights live, and their rows."""
+        return np.array((self.buffers["w"].ctypes.data, self.shape[0]), np.int64).tobytes()
+
+    def prepare(self) -> QMatrix:
+        """Derive what the products read now (MXFP4's repacked copy) instead of at the first
+        product, e.g. on a reader thread rather than the model's; returns self."""
+        _ = (self._qrow, self._qtscale) if self.fmt in Q_FORMATS else self._drow
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +162,7 @@ class QMatrix:
         if self.fmt == "mxfp4":
             return mxfp4.dequantize_mxfp4(self.buffers["packed"][ids], self.buffers["scales"][ids])
         out = np.empty((len(ids), k), np.float32)
-        qs, scales, tscale = self._qargs[:3]  # type: ignore[attr-defined]
+        qs, scales, tscale = self._qargs[:3]
         take_q_rows(qs, scales, tscale[0], ids.astype(np.int64), out)
         return out
 
@@ -200,8 +220,8 @@ def matmul_pair(X: np.ndarray, a: QMatrix, b: QMatrix) -> tuple[np.ndarray, np.n
     if X.ndim != 2 or X.shape[1] != a.shape[1]:
         raise WasteError(f"{a.fmt} matrix {a.shape}: matmul input must have shape [T, {a.shape[1]}], got {X.shape}")
     X = np.ascontiguousarray(X, np.float32)
-    qa, sa, ta, padded, _, _ = a._qargs  # type: ignore[attr-defined]
-    qb, sb, tb, _, _, _ = b._qargs  # type: ignore[attr-defined]
+    qa, sa, ta, padded, _, _ = a._qargs
+    qb, sb, tb, _, _, _ = b._qargs
     Ya = np.empty((X.shape[0], padded), np.float32)
     Yb = np.empty_like(Ya)
     _q_product(X, qa, sa, ta, qb, sb, tb, Ya, Yb, num_threads())
@@ -259,7 +279,7 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def _qproduct(m: QMatrix, X: np.ndarray) -> np.ndarray:
     """Y [T, N] = X W^T for a q-format matrix; X [T, K] float32 contiguous."""
-    qs, scales, tscale, padded, no_qs, no_scales = m._qargs  # type: ignore[attr-defined]
+    qs, scales, tscale, padded, no_qs, no_scales = m._qargs
     Y = np.empty((X.shape[0], padded), np.float32)
     _q_product(X, qs, scales, tscale, no_qs, no_scales, tscale, Y, Y, num_threads())
     return Y if padded == m.shape[0] else np.ascontiguousarray(Y[:, :m.shape[0]])
