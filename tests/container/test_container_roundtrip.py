@@ -16,6 +16,7 @@ from waste.container.format import (
     BLOB_ALIGN,
     EXPERT_PARTS,
     TRUNK_ALIGN,
+    ContainerError,
     expected_tensors,
     expert_name,
     is_matrix,
@@ -240,3 +241,31 @@ def test_dense_ffn_spelling_and_a_log_padding_are_accepted(tmp_path: Path) -> No
                               source["model.layers.0.mlp.up_proj.weight"])
         a_log = c.tensor("model.layers.0.self_attn.A_log")
         assert a_log.shape == (16,) and np.array_equal(a_log[:4], source["model.layers.0.self_attn.A_log"].ravel())
+
+
+def test_mxfp4_blob_interleaved_for_the_streaming_store(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A blob as read, repacked into a buffer of its size (`interleave_expert`), decodes to
+    matrices that multiply as the map's do and hold no other copy; a store handing out blobs as
+    stored is refused, as is a blob buffer of the wrong size."""
+    out = tiny_container(tmp_path_factory, preset="k3-tiny")
+    with open_container(out) as c:
+        assert c.experts_interleaved_when_read
+        layer = c.config.moe_layers[-1]
+        offset, nbytes = c.expert_span(layer, 3)
+        blob = np.array(c.experts_view(offset, nbytes))
+        interleaved = np.zeros_like(blob)
+        c.interleave_expert(blob, interleaved)
+        rng = np.random.default_rng(4)
+        for held, mapped in zip(c.decode_expert(layer, interleaved), c.expert(layer, 3), strict=True):
+            assert set(held.buffers) == {"qs", "scales"} and np.shares_memory(held._qargs[0], interleaved)
+            x = rng.standard_normal((3, mapped.shape[1])).astype(np.float32)
+            np.testing.assert_array_equal(held.matmul(x), mapped.matmul(x))
+            np.testing.assert_array_equal(held.dequantize(), mapped.dequantize())
+        with pytest.raises(ContainerError, match="expert blob buffer must be uint8"):
+            c.interleave_expert(blob, interleaved[:-1])
+    f32 = tiny_container(tmp_path_factory)
+    with open_container(f32) as c:
+        assert not c.experts_interleaved_when_read
+        buf = np.zeros(c.byte_counts()["expert_blob_bytes"], np.uint8)
+        with pytest.raises(ContainerError, match="handed out as stored"):
+            c.interleave_expert(buf, buf.copy())

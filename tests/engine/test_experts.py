@@ -66,6 +66,7 @@ class ExpertBlobContainer:
         self.dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # what the store opens experts.bin in
         self.advised: list[tuple[int, int, int]] = []  # (offset, nbytes, advice) of every advise_experts
         self.verify_data = False  # no CRC table: the data checks belong to the real container
+        self.experts_interleaved_when_read = False  # f32 blobs: handed out as read
 
     def expert_span(self, layer: int, e: int) -> tuple[int, int]:
         return self.spans[(layer, e)]

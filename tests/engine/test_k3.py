@@ -75,17 +75,30 @@ def test_mxfp4_experts_pass_the_check(containers):
     assert report.layer_errors[0] < 1e-5, report.format()
 
 
-def test_streaming_store_matches_the_map(containers):
-    """MXFP4 experts read by pread into a small LRU cache give the same bits as the memory map."""
+@pytest.mark.parametrize(("io", "read_threads"), [("direct", 2), ("direct", 1), ("page-cache", 2)])
+def test_streaming_store_matches_the_map(containers, io, read_threads):
+    """MXFP4 experts read by pread (or into the page cache) into a small LRU cache give the same
+    bits as the memory map. Each is held once, at its blob's size: the products read the blob's
+    own buffer, repacked into the kernels' interleave as it arrived, not a second copy."""
     with open_container(containers["mxfp4"]) as c:
+        assert c.experts_interleaved_when_read
         prompt = _prompt(20, c.config.vocab_size, seed=2)
         runs = []
-        for store in (MmapExpertStore(c), StreamingExpertStore(c, budget_bytes=16 * 4096, read_threads=2)):
+        for store in (MmapExpertStore(c), StreamingExpertStore(c, budget_bytes=16 * 4096, read_threads=read_threads,
+                                                               io=io)):
             with store:
                 model = Model(c, store=store)
                 runs.append(generate(model, model.new_session(), prompt, 4, Sampler()))
-            if isinstance(store, StreamingExpertStore):
-                assert store.stats.total.hits > 0 and store.stats.total.misses > 0
+                if isinstance(store, StreamingExpertStore):
+                    assert store.stats.total.hits > 0 and store.stats.total.misses > 0
+                    entries = list(store._cache.entries.values())
+                    assert entries and store.cached_bytes == sum(e.buf.nbytes for e in entries)
+                    for entry in entries:
+                        assert entry.buf.nbytes == c.byte_counts()["expert_blob_bytes"]
+                        for matrix in entry.expert:
+                            assert matrix.fmt == "mxfp4" and set(matrix.buffers) == {"qs", "scales"}
+                            assert all(np.shares_memory(b, entry.buf) for b in matrix.buffers.values())
+                            assert np.shares_memory(matrix._qargs[0], entry.buf)  # no repacked copy
     np.testing.assert_array_equal(runs[0].all_logits(), runs[1].all_logits())
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from waste.errors import WasteError
 from waste.kernels import mxfp4 as mx
-from waste.kernels.quant import from_buffers, matmul_pair, quantize
+from waste.kernels.quant import from_buffers, matmul_pair, mxfp4_interleaved, quantize
 from waste.qformat import bits_per_weight, buffer_layout
 from waste.reference import mxfp4 as ref
 from waste.reference.quant import reference_dequantize, reference_matmul
@@ -191,3 +191,29 @@ def test_nan_scale_and_nan_activation_reach_the_output() -> None:
     assert np.isnan(y[4]) and not np.isnan(np.delete(y, 4)).any()
     x[3] = np.nan
     assert np.isnan(m.matvec(x)).all()
+
+
+@pytest.mark.parametrize(("N", "K"), [(48, 96), (40, 64)])
+def test_the_interleave_held_as_the_matrix(N: int, K: int) -> None:
+    """An MXFP4 matrix given in the kernels' interleave (as the streaming store holds it) multiplies,
+    dequantises and takes rows as the stored one does; `stored_rows` undoes `repack_blocks` (rows
+    past N padded with zeros), and the serial repack equals the parallel one."""
+    rng = np.random.default_rng(35)
+    stored = quantize(_weights(rng, N, K), "mxfp4")
+    qs, scales = stored._qargs[:2]
+    serial_qs, serial_scales = np.full_like(qs, 7), np.full_like(scales, 7)
+    mx.repack_blocks(stored.buffers["packed"], stored.buffers["scales"], serial_qs, serial_scales, 0, qs.shape[0])
+    np.testing.assert_array_equal(serial_qs, qs)
+    np.testing.assert_array_equal(serial_scales, scales)
+    ids = np.array([N - 1, 0, 17, 17])
+    packed, row_scales = mx.stored_rows(qs, scales, ids)
+    np.testing.assert_array_equal(packed, stored.buffers["packed"][ids])
+    np.testing.assert_array_equal(row_scales, stored.buffers["scales"][ids])
+    held = mxfp4_interleaved(stored.shape, {"qs": qs.copy(), "scales": scales.copy()})
+    X = rng.standard_normal((5, K)).astype(np.float32)
+    np.testing.assert_array_equal(held.matmul(X), stored.matmul(X))
+    np.testing.assert_array_equal(held.matvec(X[0]), stored.matvec(X[0]))
+    np.testing.assert_array_equal(held.dequantize(), stored.dequantize())
+    np.testing.assert_array_equal(held.take_rows(ids), stored.take_rows(ids))
+    with pytest.raises(WasteError, match="buffer 'qs' must be uint8"):
+        mxfp4_interleaved(stored.shape, {"qs": qs[:-1], "scales": scales})

@@ -43,6 +43,7 @@ from waste.container.manifest import Manifest, parse_manifest
 from waste.container.rows import FileRows
 from waste.container.verify import verify_files
 from waste.fileio import NotRegularFile, open_regular, pread_into
+from waste.qformat import ROWS
 
 # The product kernels (Numba) are imported by the first matrix asked for, not with the reader:
 # `waste info`, `waste verify` and the planner read containers without loading them.
@@ -468,18 +469,65 @@ class Container:
             raise lease.ContainerChanged(f"{self.path / name}: truncated to {actual} bytes while in use (byte "
                                          f"{needed} is needed); another process changed the container")
 
+    @property
+    def experts_interleaved_when_read(self) -> bool:
+        """Whether a store that reads blobs hands them to `decode_expert` in the kernels' interleave
+        (`interleave_expert`): MXFP4 experts whose parts' rows are a multiple of 16, for which the
+        interleave is as large as the stored bytes. Read as stored, each would be held twice, the
+        blob and the copy its products read (`QMatrix`)."""
+        ex = self._manifest.experts
+        return ex.storage == "mxfp4" and all(p.shape[0] % ROWS == 0 for p in ex.parts)
+
+    def interleave_expert(self, blob: np.ndarray, out: np.ndarray) -> None:
+        """Repack a blob as read from experts.bin (checked: its CRCs cover these bytes) into `out`
+        (uint8, as long), each part in the kernels' interleave at the offsets of its stored buffers,
+        on the calling thread. Only where `experts_interleaved_when_read`."""
+        if not self.experts_interleaved_when_read:
+            raise ContainerError(f"{self.path}: its {self.expert_storage} experts are handed out as stored")
+        from waste.kernels.mxfp4 import repack_blocks
+
+        self._check_blob_buffer(blob)
+        self._check_blob_buffer(out)
+        for p in self._manifest.experts.parts:
+            stored, kernel = self._views(blob, p, p.offset), self._interleaved_views(out, p)
+            repack_blocks(stored["packed"], stored["scales"], kernel["qs"], kernel["scales"], 0,
+                          kernel["scales"].shape[0])
+
+    def _interleaved_views(self, buf: np.ndarray, part: TensorEntry) -> dict[str, np.ndarray]:
+        """A part's interleaved buffers (`mxfp4_interleaved_layout`) over its stored buffers' bytes."""
+        from waste.kernels.quant import mxfp4_interleaved_layout
+
+        spans = {b.name: (part.offset + b.offset, b.nbytes) for b in part.buffers}
+        out = {}
+        for (name, dtype, shape), stored in zip(mxfp4_interleaved_layout((part.shape[0], part.shape[1])),
+                                                ("packed", "scales"), strict=True):
+            lo, nbytes = spans[stored]
+            out[name] = buf[lo:lo + nbytes].view(dtype).reshape(shape)
+        return out
+
+    def _check_blob_buffer(self, buf: np.ndarray) -> None:
+        blob_bytes = self._manifest.experts.blob_bytes
+        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != blob_bytes:
+            raise ContainerError(f"expert blob buffer must be uint8 [{blob_bytes}], got {buf.dtype} {buf.shape}")
+
     def decode_expert(self, layer: int, buf: np.ndarray) -> tuple[QMatrix, QMatrix, QMatrix]:
         """(w1, w3, w2) as read-only views over a blob read into `buf` (uint8, expert_blob_bytes
-        long): read-only as the map's views are, so the kernels meet one type whichever store
-        handed the expert out (a writable one would load or compile a second variant of each)."""
+        long; in the kernels' interleave where `experts_interleaved_when_read`): read-only as the
+        map's views are, so the kernels meet one type whichever store handed the expert out (a
+        writable one would load or compile a second variant of each)."""
         ex = self._manifest.experts
         if layer not in ex.layers:
             raise ContainerError(f"layer {layer} has no routed experts (MoE layers: {list(ex.layers)})")
-        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != ex.blob_bytes:
-            raise ContainerError(f"expert blob buffer must be uint8 [{ex.blob_bytes}], got {buf.dtype} {buf.shape}")
+        self._check_blob_buffer(buf)
         read_only = buf.view()
         read_only.setflags(write=False)
-        return self._decode(read_only, 0)
+        if not self.experts_interleaved_when_read:
+            return self._decode(read_only, 0)
+        from waste.kernels.quant import mxfp4_interleaved
+
+        parts = {p.name: mxfp4_interleaved((p.shape[0], p.shape[1]), self._interleaved_views(read_only, p))
+                 for p in ex.parts}
+        return parts["w1"], parts["w3"], parts["w2"]
 
     # -- sizes -----------------------------------------------------------------------------
     def byte_counts(self) -> dict[str, Any]:

@@ -54,6 +54,9 @@ def _encode(entry: TensorEntry, value: np.ndarray | QMatrix) -> list[tuple[int, 
         if value.shape != entry.shape:
             raise WasteError(f"tensor {entry.name!r}: shape {list(value.shape)}, planned {list(entry.shape)}")
         buffers = value.buffers
+        if set(buffers) != {spec.name for spec in entry.buffers}:  # an MXFP4 matrix in the kernels' interleave
+            raise WasteError(f"tensor {entry.name!r}: buffers {sorted(buffers)} are not the stored layout "
+                             f"{[spec.name for spec in entry.buffers]}")
     else:
         value = value.dequantize() if isinstance(value, QMatrix) else np.asarray(value)
         if tuple(value.shape) != entry.shape:

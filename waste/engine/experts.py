@@ -48,6 +48,11 @@ blob whose check has not finished is never handed out again before it passes: `f
 it first. `get` returns checked experts only. With one read thread (no pool) the check runs in
 the caller, before the blob is handed out.
 
+MXFP4 experts (K3) are checked as soon as they are read, read ahead or not, and then repacked
+into the kernels' interleave in a buffer of the blob's size, whose views the products read; the
+blob's own buffer goes back to the spares. Left as stored, a cached expert would be held twice
+(the blob and the copy its products read) and the model's thread would repack every miss.
+
 Two budgets (`prefilling`): a prefill pass holds a whole MoE layer's routed experts besides the
 cache, a decode step only a few, so a store may be given a smaller `prefill_budget_bytes` for
 the duration of a prompt: entering `prefilling` evicts down to it (by the policy), leaving it
@@ -134,6 +139,8 @@ class StreamingExpertStore(ExpertStore):
         self._expert_bytes = sum(int(container.expert_span(layer, e)[1]) for layer in self._moe_layers
                                  for e in range(self._num_experts))
         self._verify = bool(container.verify_data)
+        # MXFP4 blobs are checked and repacked for the kernels as they arrive (`_interleaved`).
+        self._interleave = bool(container.experts_interleaved_when_read)
         # Evicted buffers wait for reuse, as many as two layers have experts: a prefill pass's touch
         # phase evicts as many blobs as it inserts, up to a whole layer's, after its reads took as
         # many buffers, and once the cache is full its read-ahead makes room at once for the layer
@@ -212,7 +219,8 @@ class StreamingExpertStore(ExpertStore):
             for i in order:
                 if i in ahead:
                     arrived, task, _ = ahead[i]
-                    checks[i] = self._check_when_read(layer, ids[i], task, arrived) if self._verify else task
+                    checks[i] = (self._check_when_read(layer, ids[i], task, arrived)
+                                 if self._verify and not self._interleave else task)
                 else:
                     arrived = Future()
                     task = checks[i] = self._pool.submit(self._read_then_check, layer, ids[i], *spans[i], times,
@@ -375,8 +383,8 @@ class StreamingExpertStore(ExpertStore):
             self._evicted(arrived.result())
 
     def _evicted(self, buf: np.ndarray) -> None:
-        """An evicted entry's buffer goes to the spares (io "page-cache": its pages are unmapped)."""
-        if self._page_cache is not None:
+        """An evicted entry's buffer goes to the spares (a view of the page cache: its pages are unmapped)."""
+        if self._page_cache is not None and self._page_cache.holds(buf):
             self._page_cache.release(buf)
         else:
             self._spare.give(buf)
@@ -466,13 +474,27 @@ class StreamingExpertStore(ExpertStore):
         start = time.perf_counter()
         try:
             buf = self._read(offset, nbytes)
+            if self._interleave:
+                buf = self._interleaved(layer, expert, buf)
         except BaseException as e:
             arrived.set_exception(e)
             return
         times.append((start, time.perf_counter()))
         arrived.set_result(buf)
-        if check and self._verify:
+        if check and self._verify and not self._interleave:
             self.container.check_expert(layer, expert, buf)
+
+    def _interleaved(self, layer: int, expert: int, blob: np.ndarray) -> np.ndarray:
+        """An MXFP4 blob just read, checked (its CRCs cover the stored bytes, so before anything
+        else, read ahead or not), then repacked into a spare buffer of its size in the kernels'
+        interleave; the blob's own buffer goes back to the spares. So the cache holds each expert
+        once, at its blob's size, and the model's thread does not repack what it computes with."""
+        if self._verify:
+            self.container.check_expert(layer, expert, blob)
+        out = self._spare.take(blob.nbytes)
+        self.container.interleave_expert(blob, out)
+        self._evicted(blob)
+        return out
 
     def _check_when_read(self, layer: int, expert: int, read: Future[None],
                          arrived: Future[np.ndarray]) -> Future[None]:
@@ -513,8 +535,10 @@ class StreamingExpertStore(ExpertStore):
         or runs here when there is none."""
         start = time.perf_counter()
         buf = self._read(offset, nbytes)
+        if self._interleave:
+            buf = self._interleaved(layer, expert, buf)
         times.append((start, time.perf_counter()))
-        if self._verify:
+        if self._verify and not self._interleave:
             if self._pool is not None:
                 checks[index] = self._pool.submit(self.container.check_expert, layer, expert, buf)
             else:

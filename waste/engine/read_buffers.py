@@ -130,6 +130,10 @@ class PageCacheReads:
         int(view[:: mmap.PAGESIZE].max())  # a touch per page faults each in (reads what WILLNEED has not yet)
         return view
 
+    def holds(self, buf: np.ndarray) -> bool:
+        """Whether `buf` is a view of the container's map (an MXFP4 blob's repacked copy is not)."""
+        return self._start <= buf.ctypes.data < self._start + len(self._container.experts_view(0, 0).base)
+
     def release(self, view: np.ndarray) -> None:
         """Unmap an evicted (or unused) blob's pages from this process; the page cache keeps them."""
         self._container.advise_experts(view.ctypes.data - self._start, view.nbytes, mmap.MADV_DONTNEED)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import parallel_kernel, prange
+from waste.jit import kernel, parallel_kernel, prange
 from waste.qformat import check_mxfp4_shape
 
 MX_GROUP = 32  # elements sharing one E8M0 scale, along K
@@ -112,15 +112,16 @@ def dequantize_mxfp4(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
         return (values.reshape(r, k // MX_GROUP, MX_GROUP) * scale[..., None]).reshape(r, k)
 
 
-@parallel_kernel
-def repack_interleaved(packed, scales, qs, sc):
-    """packed [N, K/2] and scales [N, G] -> the interleave of the q kernels: qs [NB, G, 16 R] holds,
-    for row r of block b and k = 4c + i (c < 4, i < 4) of group g, element k (low nibble) and
-    k + 16 (high nibble) at byte 4 R c + 4 r + i; sc [NB, G, R] the scale bytes. R = rows per
-    block (sc.shape[2]); rows past N get zero nibbles and scale byte 0."""
+@kernel
+def repack_blocks(packed, scales, qs, sc, first, last):
+    """packed [N, K/2] and scales [N, G] -> row blocks [first, last) of the interleave of the q
+    kernels: qs [NB, G, 16 R] holds, for row r of block b and k = 4c + i (c < 4, i < 4) of group
+    g, element k (low nibble) and k + 16 (high nibble) at byte 4 R c + 4 r + i; sc [NB, G, R]
+    the scale bytes. R = rows per block (sc.shape[2]); rows past N get zero nibbles and scale
+    byte 0. On the calling thread (the streaming store's readers repack what they read)."""
     N = packed.shape[0]
-    NB, G, R = sc.shape
-    for b in prange(NB):
+    G, R = sc.shape[1], sc.shape[2]
+    for b in range(first, last):
         for g in range(G):
             for r in range(R):
                 n = b * R + r
@@ -133,3 +134,24 @@ def repack_interleaved(packed, scales, qs, sc):
                         hi = (packed[n, g * (MX_GROUP // 2) + (k + MX_GROUP // 2) // 2] >> shift) & 15
                         byte = lo | (hi << 4)
                     qs[b, g, 4 * R * (k // 4) + 4 * r + k % 4] = byte
+
+
+@parallel_kernel
+def repack_interleaved(packed, scales, qs, sc):
+    """`repack_blocks` of every row block, on all cores."""
+    for b in prange(sc.shape[0]):
+        repack_blocks(packed, scales, qs, sc, b, b + 1)
+
+
+def stored_rows(qs: np.ndarray, sc: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `repack_blocks` for rows `ids` (in range): (packed [L, K/2], scales [L, G])
+    as stored, from the interleave qs [NB, G, 16 R] and sc [NB, G, R]."""
+    R = sc.shape[2]
+    blocks, rows = ids // R, ids % R
+    # [L, G, c, r, i] -> the row's [L, G, c, i]: the byte of elements 4c + i (low) and 4c + i + 16 (high)
+    grouped = qs[blocks].reshape(len(ids), qs.shape[1], 4, R, 4)[np.arange(len(ids)), :, :, rows, :]
+    half = MX_GROUP // 2
+    elements = np.concatenate([(grouped & 15).reshape(len(ids), -1, half), (grouped >> 4).reshape(len(ids), -1, half)],
+                              axis=2).reshape(len(ids), -1)  # [L, K] nibbles in element order
+    packed = (elements[:, 0::2] | (elements[:, 1::2] << 4)).astype(np.uint8)
+    return packed, np.ascontiguousarray(sc[blocks, :, rows])

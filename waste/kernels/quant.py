@@ -52,7 +52,16 @@ from waste.kernels.int8_blocks import ISA
 from waste.kernels.int8_rows import make_rows, vector_isa
 from waste.kernels.quantize import _f16_value, quantize_grouped
 from waste.kernels.steal import new_ranges, next_item
-from waste.qformat import BLOCK_BYTES, CODE_OFFSET, FORMATS, GROUP, ROWS, buffer_layout, padded_shape
+from waste.qformat import (
+    BLOCK_BYTES,
+    CODE_OFFSET,
+    FORMATS,
+    GROUP,
+    ROWS,
+    buffer_layout,
+    check_mxfp4_shape,
+    padded_shape,
+)
 
 Q_FORMATS = ("q8g", "q4g", "mxfp4")  # the formats of the integer products
 # An mxfp4 product sums twice the E2M1 values: the per-matrix scale halves it.
@@ -77,6 +86,8 @@ class QMatrix:
         if self.fmt in ("q8g", "q4g"):
             qs, scales, tscale = (np.ascontiguousarray(self.buffers[b]) for b in ("qs", "scales", "tscale"))
             scales = scales.view(np.uint16)
+        elif self.fmt == "mxfp4" and "qs" in self.buffers:  # given in the interleave (`mxfp4_interleaved`)
+            qs, scales, tscale = self.buffers["qs"], self.buffers["scales"], MXFP4_TSCALE
         elif self.fmt == "mxfp4":
             # The stored bytes stay as they are; the kernels read a copy in the 16-row interleave,
             # as large as the stored bytes (waste.kernels.mxfp4).
@@ -159,6 +170,8 @@ class QMatrix:
             return np.ascontiguousarray(self.buffers["w"][ids])
         if self.fmt == "bf16":
             return bf16_to_f32(self.buffers["w"][ids])
+        if self.fmt == "mxfp4" and "qs" in self.buffers:
+            return mxfp4.dequantize_mxfp4(*mxfp4.stored_rows(self.buffers["qs"], self.buffers["scales"], ids))
         if self.fmt == "mxfp4":
             return mxfp4.dequantize_mxfp4(self.buffers["packed"][ids], self.buffers["scales"][ids])
         out = np.empty((len(ids), k), np.float32)
@@ -256,6 +269,25 @@ def from_buffers(fmt: str, shape: tuple[int, int], buffers: dict[str, np.ndarray
         if b is None or b.dtype != dtype or tuple(b.shape) != bshape:
             raise WasteError(f"{fmt} matrix {shape}: buffer {name!r} must be {dtype} {bshape}")
     return QMatrix(fmt, shape, buffers)
+
+
+def mxfp4_interleaved_layout(shape: tuple[int, int]) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """Buffers of an MXFP4 matrix held in the kernels' interleave (`mxfp4.repack_blocks`):
+    qs [NB, G, 256] and scales [NB, G, 16] uint8, as many bytes as stored when N % 16 == 0."""
+    check_mxfp4_shape(shape)
+    nb, g = padded_shape(shape)
+    return [("qs", np.dtype(np.uint8), (nb, g, BLOCK_BYTES["mxfp4"])), ("scales", np.dtype(np.uint8), (nb, g, ROWS))]
+
+
+def mxfp4_interleaved(shape: tuple[int, int], buffers: dict[str, np.ndarray]) -> QMatrix:
+    """An MXFP4 matrix given in the kernels' interleave (the streaming store repacks what it reads
+    into its own buffer, so the matrix is held once): products read it as it is; `take_rows` and
+    `dequantize` undo the interleave. Its buffers are not the stored layout, so never written."""
+    for name, dtype, bshape in mxfp4_interleaved_layout(shape):
+        b = buffers.get(name)
+        if b is None or b.dtype != dtype or tuple(b.shape) != bshape:
+            raise WasteError(f"interleaved mxfp4 matrix {shape}: buffer {name!r} must be {dtype} {bshape}")
+    return QMatrix("mxfp4", shape, buffers)
 
 
 def quantization_snr_db(w: np.ndarray, fmt: str, x: np.ndarray) -> float:
