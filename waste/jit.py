@@ -32,6 +32,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 # and no 'afn': exp/log keep full accuracy (the decay gates sit in exponents).
 FASTMATH = frozenset({"reassoc", "contract", "nsz", "arcp"})
 
+# Numba 0.68 (seen 2026-12-05 on Zen 4): with fastmath, arithmetic inside or called from a prange
+# body could come out in other bits from the compile that filled the cache than from the cache
+# afterwards (an ulp; through a MoE's routing, other tokens later in a K3 run). Plain Numba
+# reproduces it: a parallel kernel whose prange body sums with "contract" on. So such arithmetic
+# lives in a @kernel of its own that the prange body calls (`mla._head_times`), and the sums
+# that still differed run without "reassoc" in fixed lanes, which vectorise without licence to
+# reorder (`mla._softmax_step`, `norm._rms_norm_row`). tests/test_jit.py holds a model's
+# logits, compiled and cached, to the same bits.
+FIXED_ORDER_FASTMATH = FASTMATH - {"reassoc"}
+
 COMMON_OPTIONS: dict[str, Any] = {
     "cache": True,
     "nogil": True,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from waste.errors import WasteError
-from waste.jit import kernel, parallel_kernel, prange
+from waste.jit import FIXED_ORDER_FASTMATH, kernel, parallel_kernel, prange
 from waste.kernels.bf16 import _row_block
 from waste.kernels.fastmath import fexp, fsigmoid
 
@@ -186,20 +186,27 @@ def _decode(q, latent, n, scale, kv_rank, nchunks, block, probs, out):
             out[h, r] = acc
 
 
+@kernel
+def _head_times(x, w, y, h):
+    """y[t, h] = x[t, h] @ w[h] for every t, summed over A in order: a function of its own rather
+    than the prange body, which came out in other bits from Numba's cache (see FIXED_ORDER_FASTMATH)."""
+    T, _, A = x.shape
+    B = w.shape[2]
+    for t in range(T):
+        for j in range(B):
+            y[t, h, j] = np.float32(0.0)
+        for a in range(A):
+            xa = x[t, h, a]
+            for j in range(B):
+                y[t, h, j] += xa * w[h, a, j]
+
+
 @parallel_kernel
 def _heads_times(x, w, y):
     """y[t, h] = x[t, h] @ w[h] for x [T, H, A], w [H, A, B] -> y [T, H, B]; each output is summed
     over A in the same order whatever T is (rows never share a BLAS tile)."""
-    T, H, A = x.shape
-    B = w.shape[2]
-    for h in prange(H):
-        for t in range(T):
-            for j in range(B):
-                y[t, h, j] = np.float32(0.0)
-            for a in range(A):
-                xa = x[t, h, a]
-                for j in range(B):
-                    y[t, h, j] += xa * w[h, a, j]
+    for h in prange(x.shape[1]):
+        _head_times(x, w, y, h)
 
 
 def heads_times(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -336,7 +343,8 @@ def _expand_block(latent, jb, n, kv_rank, w_uk, w_uv, keys, values):
         values[i, :] = 0.0
 
 
-@kernel
+# Its running sum in KEY_GROUP fixed lanes (width is a multiple of KEY_GROUP): see FIXED_ORDER_FASTMATH.
+@kernel(fastmath=set(FIXED_ORDER_FASTMATH))
 def _softmax_step(s, nk, width, run, t, acc):
     """Online softmax of one query over its nk scores s[:nk] (nk may be <= 0: no keys here).
 
@@ -347,13 +355,21 @@ def _softmax_step(s, nk, width, run, t, acc):
         top = max(top, s[j])
     old = run[0, t]
     new = max(old, top)
-    total = np.float32(0.0)
     for j in range(nk):
-        e = fexp(s[j] - new)
-        s[j] = e
-        total += e
+        s[j] = fexp(s[j] - new)
     for j in range(max(nk, 0), width):
         s[j] = 0.0
+    l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = np.float32(0.0)  # the KEY_GROUP (8) lanes
+    for j in range(0, width, KEY_GROUP):
+        l0 += s[j]
+        l1 += s[j + 1]
+        l2 += s[j + 2]
+        l3 += s[j + 3]
+        l4 += s[j + 4]
+        l5 += s[j + 5]
+        l6 += s[j + 6]
+        l7 += s[j + 7]
+    total = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
     if new > old:
         # exp(-inf) = 0 on the query's first block, where acc and the sum are still zero
         alpha = fexp(old - new)
