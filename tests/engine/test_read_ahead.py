@@ -144,6 +144,35 @@ def test_a_damaged_blob_read_ahead_fails_the_step_only_when_used(tmp_path: Path,
         assert store.stats.layer(layers[1]).unused_bytes == (c.config.num_experts - 2) * blob
 
 
+@pytest.mark.parametrize("read_threads", [4, 1])
+def test_a_damaged_mxfp4_blob_fails_the_step_only_when_used(tmp_path_factory: pytest.TempPathFactory,
+                                                            read_threads: int) -> None:
+    """K3's MXFP4 blobs are checked as they are read (before their repack for the kernels), read
+    ahead or not: used, a CRC mismatch stops the prefill with the container's error, and the blob
+    is not cached; read ahead but never asked for, it is dropped and nothing fails."""
+    root = tmp_path_factory.mktemp("k3_damaged")
+    copy = tiny_container(root / "k3", preset="k3-tiny")
+    with open_container(copy) as c:
+        assert c.experts_interleaved_when_read
+        layers, experts = c.config.moe_layers, c.config.num_experts
+        blob = int(c.expert_span(layers[0], 0)[1])
+        prompt = [int(t) for t in np.random.default_rng(12).integers(3, c.config.vocab_size, 60)]
+    _flip_byte(copy, layers[1], 5)
+    with open_container(copy) as c, StreamingExpertStore(c, 99 * blob, read_threads=read_threads) as store:
+        model = Model(c, store=store)
+        session = model.new_session(len(prompt))
+        with pytest.raises(ContainerError, match="experts.bin: CRC mismatch"):
+            model.prefill(session, prompt)
+        assert session.tokens == [] and (layers[1], 5) not in store.cached_keys()
+    with open_container(copy) as c, StreamingExpertStore(c, 99 * blob, read_threads=4) as store:
+        with store.read_ahead(layers[:2]):
+            store.get(layers[0], list(range(experts)))
+            wait([task for _, task, _ in store._ahead.values()])  # (layers[1], 5) read and failed its check
+            store.get(layers[1], [0, 3])
+        store.verify_pending()
+        assert store.stats.layer(layers[1]).unused_bytes == (experts - 2) * blob
+
+
 def test_a_blob_read_ahead_is_checked_only_when_asked_for(tmp_path: Path, q4: Path) -> None:
     """A read issued ahead is checked once its layer asks for the blob, in a reader thread: a wrong
     guess is never checked (on this VM a blob's first touch after an O_DIRECT read costs about
