@@ -28,7 +28,7 @@ import numpy as np
 
 from waste import sigbus
 from waste.config import ModelConfig
-from waste.container import lease
+from waste.container import blobs, lease
 from waste.container.format import (
     EXPERTS,
     MANIFEST,
@@ -43,7 +43,6 @@ from waste.container.manifest import Manifest, parse_manifest
 from waste.container.rows import FileRows
 from waste.container.verify import verify_files
 from waste.fileio import NotRegularFile, open_regular, pread_into
-from waste.qformat import ROWS
 
 # The product kernels (Numba) are imported by the first matrix asked for, not with the reader:
 # `waste info`, `waste verify` and the planner read containers without loading them.
@@ -365,11 +364,7 @@ class Container:
     def _views(self, base: np.ndarray, entry: TensorEntry, start: int) -> dict[str, np.ndarray]:
         if self._closed:
             raise ContainerError(f"{self.path}: container is closed")
-        out = {}
-        for b in entry.buffers:
-            lo = start + b.offset
-            out[b.name] = base[lo:lo + b.nbytes].view(np.dtype(b.dtype)).reshape(b.shape)
-        return out
+        return blobs.buffer_views(base, entry, start)
 
     def tensor(self, name: str) -> np.ndarray:
         """A float32 tensor in its original shape (read-only view); for arrays and f32 matrices."""
@@ -387,16 +382,12 @@ class Container:
 
         return from_buffers(e.storage, (e.shape[0], e.shape[1]), self._views(self._trunk_base(name), e, e.offset))
 
-    def _decode(self, base: np.ndarray, start: int) -> tuple[QMatrix, QMatrix, QMatrix]:
-        from waste.kernels.quant import from_buffers
-
+    def _decode(self, base: np.ndarray, start: int, interleaved: bool = False) -> tuple[QMatrix, QMatrix, QMatrix]:
+        if self._closed:
+            raise ContainerError(f"{self.path}: container is closed")
         # Prepared here: an expert is decoded by the store's reader threads, and the map's pages of
         # an MXFP4 expert leave the process once its copy is repacked (see `expert`).
-        parts = {}
-        for p in self._manifest.experts.parts:
-            views = self._views(base, p, start + p.offset)
-            parts[p.name] = from_buffers(p.storage, (p.shape[0], p.shape[1]), views).prepare()
-        return parts["w1"], parts["w3"], parts["w2"]
+        return blobs.decode(self._manifest.experts, base, start, interleaved)
 
     def expert_span(self, layer: int, expert: int) -> tuple[int, int]:
         """(offset, nbytes) of one expert's blob in experts.bin; offset and nbytes are multiples of 4096."""
@@ -472,43 +463,16 @@ class Container:
     @property
     def experts_interleaved_when_read(self) -> bool:
         """Whether a store that reads blobs hands them to `decode_expert` in the kernels' interleave
-        (`interleave_expert`): MXFP4 experts whose parts' rows are a multiple of 16, for which the
-        interleave is as large as the stored bytes. Read as stored, each would be held twice, the
-        blob and the copy its products read (`QMatrix`)."""
-        ex = self._manifest.experts
-        return ex.storage == "mxfp4" and all(p.shape[0] % ROWS == 0 for p in ex.parts)
+        (`interleave_expert`; `waste.container.blobs.interleaved_when_read`)."""
+        return blobs.interleaved_when_read(self._manifest.experts)
 
     def interleave_expert(self, blob: np.ndarray, out: np.ndarray) -> None:
         """Repack a blob as read from experts.bin (checked: its CRCs cover these bytes) into `out`
-        (uint8, as long), each part in the kernels' interleave at the offsets of its stored buffers,
-        on the calling thread. Only where `experts_interleaved_when_read`."""
+        (uint8, as long) in the kernels' interleave, on the calling thread. Only where
+        `experts_interleaved_when_read`."""
         if not self.experts_interleaved_when_read:
             raise ContainerError(f"{self.path}: its {self.expert_storage} experts are handed out as stored")
-        from waste.kernels.mxfp4 import repack_blocks
-
-        self._check_blob_buffer(blob)
-        self._check_blob_buffer(out)
-        for p in self._manifest.experts.parts:
-            stored, kernel = self._views(blob, p, p.offset), self._interleaved_views(out, p)
-            repack_blocks(stored["packed"], stored["scales"], kernel["qs"], kernel["scales"], 0,
-                          kernel["scales"].shape[0])
-
-    def _interleaved_views(self, buf: np.ndarray, part: TensorEntry) -> dict[str, np.ndarray]:
-        """A part's interleaved buffers (`mxfp4_interleaved_layout`) over its stored buffers' bytes."""
-        from waste.kernels.quant import mxfp4_interleaved_layout
-
-        spans = {b.name: (part.offset + b.offset, b.nbytes) for b in part.buffers}
-        out = {}
-        for (name, dtype, shape), stored in zip(mxfp4_interleaved_layout((part.shape[0], part.shape[1])),
-                                                ("packed", "scales"), strict=True):
-            lo, nbytes = spans[stored]
-            out[name] = buf[lo:lo + nbytes].view(dtype).reshape(shape)
-        return out
-
-    def _check_blob_buffer(self, buf: np.ndarray) -> None:
-        blob_bytes = self._manifest.experts.blob_bytes
-        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != blob_bytes:
-            raise ContainerError(f"expert blob buffer must be uint8 [{blob_bytes}], got {buf.dtype} {buf.shape}")
+        blobs.interleave(self._manifest.experts, blob, out)
 
     def decode_expert(self, layer: int, buf: np.ndarray) -> tuple[QMatrix, QMatrix, QMatrix]:
         """(w1, w3, w2) as read-only views over a blob read into `buf` (uint8, expert_blob_bytes
@@ -518,16 +482,10 @@ class Container:
         ex = self._manifest.experts
         if layer not in ex.layers:
             raise ContainerError(f"layer {layer} has no routed experts (MoE layers: {list(ex.layers)})")
-        self._check_blob_buffer(buf)
+        blobs.check_buffer(ex, buf)
         read_only = buf.view()
         read_only.setflags(write=False)
-        if not self.experts_interleaved_when_read:
-            return self._decode(read_only, 0)
-        from waste.kernels.quant import mxfp4_interleaved
-
-        parts = {p.name: mxfp4_interleaved((p.shape[0], p.shape[1]), self._interleaved_views(read_only, p))
-                 for p in ex.parts}
-        return parts["w1"], parts["w3"], parts["w2"]
+        return self._decode(read_only, 0, self.experts_interleaved_when_read)
 
     # -- sizes -----------------------------------------------------------------------------
     def byte_counts(self) -> dict[str, Any]:
