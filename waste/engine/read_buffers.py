@@ -111,9 +111,7 @@ class PageCacheReads:
         self._container = container
         self._fd = container.experts_fd
         self._populate = sys.platform.startswith("linux")
-        whole = container.experts_view(0, 0).base
-        self._start = whole.ctypes.data  # the map's address: a view's offset
-        self._end = self._start + whole.nbytes
+        self._start = container.experts_view(0, 0).ctypes.data  # the map's address: a view's offset
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         """The blob at [offset, offset + nbytes), its pages in the page cache and mapped."""
@@ -134,7 +132,7 @@ class PageCacheReads:
 
     def holds(self, buf: np.ndarray) -> bool:
         """Whether `buf` is a view of the container's map (an MXFP4 blob's repacked copy is not)."""
-        return self._start <= buf.ctypes.data < self._end
+        return self._start <= buf.ctypes.data < self._start + len(self._container.experts_view(0, 0).base)
 
     def release(self, view: np.ndarray) -> None:
         """Unmap an evicted (or unused) blob's pages from this process; the page cache keeps them."""
