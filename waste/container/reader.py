@@ -385,8 +385,8 @@ class Container:
     def _decode(self, base: np.ndarray, start: int, interleaved: bool = False) -> tuple[QMatrix, QMatrix, QMatrix]:
         if self._closed:
             raise ContainerError(f"{self.path}: container is closed")
-        # Prepared here: an expert is decoded by the store's reader threads, and the map's pages of
-        # an MXFP4 expert leave the process once its copy is repacked (see `expert`).
+        # Prepared here (blobs.decode), not at the first product: `expert` drops an MXFP4 expert's
+        # pages of the map right after, once its copy is repacked.
         return blobs.decode(self._manifest.experts, base, start, interleaved)
 
     def expert_span(self, layer: int, expert: int) -> tuple[int, int]:
