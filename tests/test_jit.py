@@ -176,28 +176,38 @@ out = {}
 for path in sys.argv[2:]:
     with open_container(path) as c:
         model = Model(c)
-        session = model.new_session(capacity=100)
         prompt = np.random.default_rng(1).integers(0, c.config.vocab_size, 90)
-        out[path + ":prefill"] = model.prefill(session, prompt)
-        token = int(np.argmax(out[path + ":prefill"][-1]))
-        for step in range(3):
-            out[path + f":decode{step}"] = model.decode(session, token)
-            token = int(np.argmax(out[path + f":decode{step}"]))
+        for chunk in (256, 7):  # one pass, and the short tiles and single tokens of small chunks
+            session = model.new_session(capacity=100)
+            key = f"{path}:chunk{chunk}"
+            out[key + ":prefill"] = model.prefill(session, prompt, chunk=chunk)
+            token = int(np.argmax(out[key + ":prefill"][-1]))
+            for step in range(3):
+                out[key + f":decode{step}"] = model.decode(session, token)
+                token = int(np.argmax(out[key + f":decode{step}"]))
 np.savez(sys.argv[1], **out)
 """
 
 
 def test_kernels_compiled_here_and_loaded_from_the_cache_give_the_same_bits(tmp_path) -> None:  # noqa: ANN001
-    """A model's logits, prompt and decode, from kernels compiled in the process (an empty cache)
-    and from the same kernels loaded from Numba's cache, bit for bit. MLA prefill's online softmax
-    let LLVM reorder its running sum, and a fresh compile and the cached code then differed by an
-    ulp past the first 64-key block; through the MoE's routing, later tokens differed in K3 runs."""
+    """Models' logits, prompt (in one pass and in chunks of 7) and decode, in every product format,
+    from kernels compiled in the process (an empty cache) and from the same kernels loaded from
+    Numba's cache, bit for bit (see FIXED_ORDER_FASTMATH). MLA prefill's online softmax let LLVM
+    reorder its running sum, and a fresh compile and the cached code then differed by an ulp past
+    the first 64-key block; through the MoE's routing, later tokens differed in K3 runs."""
+    waste = [sys.executable, "-m", "waste.cli"]
     containers = []
-    for preset, quant in (("k3-tiny", "q8"), ("tiny", "q4")):
-        out = tmp_path / f"{preset}.waste"
-        assert subprocess.run([sys.executable, "-m", "waste.cli", "synth", preset, str(out), "--quant", quant,
-                               "--quiet"], capture_output=True, text=True, timeout=300).returncode == 0
+    # Every product format: q8g trunk with MXFP4 experts, q4g, f32, bf16 (through convert).
+    for preset, quant in (("k3-tiny", "q8"), ("tiny", "q4"), ("tiny", "f32")):
+        out = tmp_path / f"{preset}-{quant}.waste"
+        assert subprocess.run([*waste, "synth", preset, str(out), "--quant", quant, "--quiet"],
+                              capture_output=True, text=True, timeout=300).returncode == 0
         containers.append(str(out))
+    checkpoint, out = tmp_path / "k3-tiny-bf16", tmp_path / "k3-tiny-bf16.waste"
+    for command in (["synth", "k3-tiny", str(checkpoint)], ["convert", str(checkpoint), str(out), "--quant", "bf16",
+                                                             "--quiet"]):
+        assert subprocess.run([*waste, *command], capture_output=True, text=True, timeout=300).returncode == 0
+    containers.append(str(out))
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     runs = []
     for name in ("compiled", "cached"):

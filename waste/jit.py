@@ -32,14 +32,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 # and no 'afn': exp/log keep full accuracy (the decay gates sit in exponents).
 FASTMATH = frozenset({"reassoc", "contract", "nsz", "arcp"})
 
-# Numba 0.68 (seen 2026-12-05 on Zen 4): with fastmath, arithmetic inside or called from a prange
-# body could come out in other bits from the compile that filled the cache than from the cache
-# afterwards (an ulp; through a MoE's routing, other tokens later in a K3 run). Plain Numba
-# reproduces it: a parallel kernel whose prange body sums with "contract" on. So such arithmetic
-# lives in a @kernel of its own that the prange body calls (`mla._head_times`), and the sums
-# that still differed run without "reassoc" in fixed lanes, which vectorise without licence to
-# reorder (`mla._softmax_step`, `norm._rms_norm_row`). tests/test_jit.py holds a model's
-# logits, compiled and cached, to the same bits.
+# Numba 0.68 (seen 2026-12-05 on Zen 4): float code that one kernel reaches in another library (a
+# @kernel it calls and LLVM does not inline, or a prange body, which Numba compiles as a function
+# of its own) can run in other bits in the process that compiled it than in a process that loads
+# it from the cache (an ulp; through a MoE's routing, other tokens later in a K3 run). The
+# caller's cached object holds a weak copy of the callee, optimised a second time inside the
+# caller's module; the compiling process had the callee's own code loaded first and runs that,
+# and so does any process that loads the callee before the caller. Where the second pass changes
+# the order of a float sum (a vectorised reduction's remainder under 'reassoc', a multiply-add
+# fused in one copy only), the bits differ. So sums reached that way run without "reassoc" in
+# fixed lanes, which vectorise without licence to reorder (`mla._softmax_step`,
+# `norm._rms_norm_row`), and the per-head product, whose prange body differed, calls a @kernel
+# that does not (`mla._head_times`). tests/test_jit.py holds models' logits in each format, compiled and
+# cached, to the same bits.
 FIXED_ORDER_FASTMATH = FASTMATH - {"reassoc"}
 
 COMMON_OPTIONS: dict[str, Any] = {
