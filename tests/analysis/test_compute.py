@@ -60,3 +60,40 @@ def test_measuring_the_step_leaves_the_model_as_it_was(q4: Path) -> None:
             outs.append((first, model.decode(session, 3), model.decode(session, 4)))
         for a, b in zip(*outs, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_pool_counts_the_guesses_a_layer_did_not_ask_for(q4: Path) -> None:
+    """A layer's guesses (from each layer before it) count once each at its request; those it did
+    not ask for are the unused ones; a request with no guess before it counts nothing."""
+    with open_container(q4) as c:
+        layer = c.config.moe_layers[0]
+        store = PooledExpertStore(c, 3)
+        assert store.takes_guesses
+        store.guess(layer, [1, 2, 3])
+        store.guess(layer, [3, 4])
+        store.get(layer, [2, 3, 5])
+        assert (store.guesses, store.unused_guesses) == (4, 2)  # 1 and 4 unused
+        store.count_request(layer, [1, 4])  # no guess since the last request
+        assert (store.guesses, store.unused_guesses) == (4, 2)
+        with pytest.raises(WasteError, match="outside"):
+            store.guess(layer, [c.config.num_experts])
+
+
+def test_the_measured_step_guesses_as_a_streaming_decode_does(q4: Path) -> None:
+    """Each MoE layer after the first is guessed before it asks (the model's guesses run in the
+    measured step); the unused ones per step are what the store counted over the timed steps."""
+    with open_container(q4) as c:
+        cfg = c.config
+        assert len(cfg.moe_layers) >= 2
+        model = Model(c, store=MmapExpertStore(c))
+        store = PooledExpertStore(c, cfg.num_experts_per_token + 1)
+        model.store = store
+        session = model.new_session(8)
+        model.prefill(session, [1, 2], all_logits=False)
+        model.decode(session, 3)
+        k = cfg.num_experts_per_token
+        assert k * (len(cfg.moe_layers) - 1) <= store.guesses <= 2 * k * (len(cfg.moe_layers) - 1)
+        assert 0 <= store.unused_guesses <= store.guesses
+        step = measure_decode_compute(Model(c, store=MmapExpertStore(c)))
+        assert 0 <= step.unused_guesses <= 2 * k * (len(cfg.moe_layers) - 1)
+        assert step.as_dict()["unused_guesses"] == step.unused_guesses

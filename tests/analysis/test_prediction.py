@@ -109,6 +109,15 @@ def test_decode_estimate_puts_the_disk_beside_the_measured_compute(q4: Path) -> 
     assert p.estimate_disk_seconds == pytest.approx(blob_disk) and blob_disk == pytest.approx(4 * disk)
     assert p.decode_estimate == pytest.approx((1 / blob_disk, 1 / (disk + blob_disk)))
     assert "0.50 GB/s, random blobs read" in p.describe()
+    # Guesses their layer did not ask for add their reads where the expert is not cached.
+    guessing = predict_run(plan, ram, RATES, runtime=runtime,
+                           compute=DecodeCompute(disk, 8, 9, 1 << 20, 0.5, 1 << 20, 6.0))
+    expert_bytes = plan.weights.per_expert
+    unused = 6.0 * (1 - guessing.hit_rate) * expert_bytes
+    assert guessing.unused_guess_bytes == pytest.approx(unused) and unused > 0
+    assert guessing.estimate_disk_seconds == pytest.approx((bound.nvme_bytes + unused) / 0.5e9)
+    assert guessing.as_dict()["decode_estimate_unused_guess_bytes"] == pytest.approx(unused)
+    assert "(with 6.0 unused guesses a step)" in guessing.describe()
 
 
 def test_trace_gives_the_hit_rate(q4: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

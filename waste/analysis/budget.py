@@ -303,16 +303,27 @@ class RunPrediction:
     compute: Any = None  # waste.analysis.compute.DecodeCompute: a decode step's compute, measured
 
     @property
+    def unused_guess_bytes(self) -> float:
+        """Bytes a decode step reads ahead for nothing in the estimate: the experts the measured
+        step guessed and their layer did not ask for, each read when not cached (1 - hit rate)."""
+        if self.compute is None:
+            return 0.0
+        expert_bytes = self.memory.experts_total / max(1, self.total_experts)  # an expert's blob, on average
+        return self.compute.unused_guesses * (1.0 - self.hit_rate) * expert_bytes
+
+    @property
     def estimate_disk_seconds(self) -> float:
-        """The disk's time for a step's misses in the decode estimate: at the speed the compute
-        measurement's random blob reads reached (a step's reads), else at the disk bandwidth."""
-        gbps = None if self.compute is None else self.compute.blob_gbps
-        return self.bound.nvme_seconds if gbps is None else self.bound.nvme_bytes / (gbps * GB)
+        """The disk's time for a step's reads in the decode estimate, its misses and its unused
+        guesses (`unused_guess_bytes`): at the speed the compute measurement's random blob reads
+        reached (a step's reads), else at the disk bandwidth."""
+        gbps = self.bandwidths.disk.gbps if self.compute is None or self.compute.blob_gbps is None \
+            else self.compute.blob_gbps
+        return (self.bound.nvme_bytes + self.unused_guess_bytes) / (gbps * GB)
 
     @property
     def decode_estimate(self) -> tuple[float, float] | None:
         """(overlapped, serial) decode tok/s from the measured compute step: the disk's reads of the
-        misses under the step's compute, or after it; None when the compute was not measured. A
+        misses and unused guesses under the step's compute, or after it; None when the compute was not measured. A
         run's step also spends CPU on its reads and waits for the misses no guess read ahead, so it
         falls between the two."""
         if self.compute is None:
@@ -339,7 +350,8 @@ class RunPrediction:
                 "planned_peak_rss": self.memory.planned_peak, **self.bandwidths.as_dict(),
                 "decode_compute": None if self.compute is None else self.compute.as_dict(),
                 "decode_estimate_tps": None if estimate is None else estimate[0],
-                "decode_estimate_serial_tps": None if estimate is None else estimate[1]}
+                "decode_estimate_serial_tps": None if estimate is None else estimate[1],
+                "decode_estimate_unused_guess_bytes": self.unused_guess_bytes}
 
     def describe(self) -> str:
         from waste.units import human_bytes
@@ -374,7 +386,9 @@ class RunPrediction:
             disk_s = self.estimate_disk_seconds
             speed = f"{overlapped:.2f}" if disk_s == 0 else f"{serial:.2f} to {overlapped:.2f}"
             speed_read = "the disk bandwidth" if c.blob_gbps is None else f"{c.blob_gbps:.2f} GB/s, random blobs read"
-            disk = "" if disk_s == 0 else f", the disk's {1000 * disk_s:.0f} ms at {speed_read}, after it or under it"
+            guesses = f" (with {c.unused_guesses:.1f} unused guesses a step)" if c.unused_guesses and disk_s else ""
+            disk = "" if disk_s == 0 else (f", the disk's {1000 * disk_s:.0f} ms at {speed_read}{guesses}, after it "
+                                           "or under it")
             lines.append(f"  decode estimate {speed} tok/s: a step's compute measured at "
                          f"{1000 * c.step_seconds:.1f} ms (median of {c.steps} steps of this model, every expert it "
                          f"asks for in RAM){disk}")

@@ -13,7 +13,11 @@ the disk and on a machine that cannot hold every expert.
 The disk's part is timed as a step reads it too: random expert blobs of a layer at a time, read
 by a `StreamingExpertStore` (its default readers and io, CRCs checked) into reused buffers. On the
 48B's virtual disk such reads ran at 1.14-1.65 GB/s where one long sequential read (what `waste
-plan`'s disk bandwidth measures) ran at 1.26-2.30 (docs/MEASURED.md, 2026-12-05).
+plan`'s disk bandwidth measures) ran at 1.26-2.30 (docs/MEASURED.md, 2026-12-05). The measured
+steps guess the next MoE layers' experts as a streaming decode does (routing them costs the step
+its time), and the pool counts the guesses their layer did not ask for: a streaming store reads
+those that are not cached for nothing (the 48B's decode from disk, 2026-12-05: 30 MB of its 208 MB
+read a token).
 """
 
 from __future__ import annotations
@@ -49,10 +53,14 @@ class DecodeCompute:
     pool_bytes: int  # their blobs, over every MoE layer
     blob_gbps: float | None = None  # random expert blobs read as the store reads them (None: no MoE layer)
     blob_bytes: int = 0  # what that read
+    # Experts a step guessed (the next MoE layers' reads ahead) that their layer did not ask for,
+    # per step: a streaming store reads each that is not cached for nothing.
+    unused_guesses: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"step_seconds": self.step_seconds, "steps": self.steps, "pool": self.pool,
-                "pool_bytes": self.pool_bytes, "blob_gbps": self.blob_gbps, "blob_bytes": self.blob_bytes}
+                "pool_bytes": self.pool_bytes, "blob_gbps": self.blob_gbps, "blob_bytes": self.blob_bytes,
+                "unused_guesses": self.unused_guesses}
 
 
 def measure_blob_reads(container: Any, layers: int = BLOB_LAYERS, seed: int = 0) -> tuple[float, int]:
@@ -92,9 +100,12 @@ def measure_decode_compute(model: Any, steps: int = DECODE_COMPUTE_STEPS) -> Dec
         model.prefill(session, list(PROMPT), all_logits=False)
         seconds = []
         for i in range(WARM_STEPS + steps):
+            if i == WARM_STEPS:
+                unused_before = store.unused_guesses
             t0 = time.perf_counter()
             model.decode(session, PROMPT[i % len(PROMPT)])
             seconds.append(time.perf_counter() - t0)
+        unused = (store.unused_guesses - unused_before) / steps
     finally:
         model.store = own
         store.close()
@@ -103,4 +114,4 @@ def measure_decode_compute(model: Any, steps: int = DECODE_COMPUTE_STEPS) -> Dec
                      for e in range(store.pool))
     blob_gbps, blob_bytes = measure_blob_reads(model.container) if cfg.moe_layers else (None, 0)
     return DecodeCompute(float(np.median(seconds[WARM_STEPS:])), steps, store.pool, int(pool_bytes), blob_gbps,
-                         blob_bytes)
+                         blob_bytes, unused)

@@ -210,7 +210,9 @@ class PooledExpertStore(MmapExpertStore):
     (`waste.analysis.compute`); the outputs are not the model's.
 
     Requests are counted as the map counts them (misses of the ids asked for); nothing is read
-    beyond the pool's blobs."""
+    beyond the pool's blobs. It takes a decode step's guesses, as a streaming store does (so the
+    step routes them too), and counts those its layer then did not ask for (`unused_guesses`):
+    a streaming store reads such an expert for nothing when it is not cached."""
 
     def __init__(self, container: Any, pool: int):
         super().__init__(container)
@@ -218,6 +220,22 @@ class PooledExpertStore(MmapExpertStore):
             raise WasteError(f"expert pool of {pool}: expected at least one expert a layer")
         self.pool = min(int(pool), self._num_experts)
         self._slots: dict[int, list[Expert | None]] = {}
+        self._guessed: dict[int, set[int]] = {}  # by layer: the experts guessed since its last request
+        self.guesses = 0  # distinct experts guessed for a layer before it asked, over all requests
+        self.unused_guesses = 0  # of those, the ones the layer did not ask for
+
+    @property
+    def takes_guesses(self) -> bool:
+        return True
+
+    def guess(self, layer: int, expert_ids: Sequence[int]) -> None:
+        self._guessed.setdefault(layer, set()).update(self._check(layer, expert_ids))
+
+    def count_request(self, layer: int, expert_ids: Sequence[int]) -> None:
+        guessed = self._guessed.pop(layer, set())
+        self.guesses += len(guessed)
+        self.unused_guesses += len(guessed.difference(int(e) for e in expert_ids))
+        super().count_request(layer, expert_ids)
 
     def _open(self, layer: int, expert: int) -> Expert:
         slots = self._slots.setdefault(layer, [None] * self.pool)
