@@ -43,8 +43,8 @@ FASTMATH = frozenset({"reassoc", "contract", "nsz", "arcp"})
 # fused in one copy only), the bits differ. So sums reached that way run without "reassoc" in
 # fixed lanes, which vectorise without licence to reorder (`mla._softmax_step`,
 # `norm._rms_norm_row`), and the per-head product, whose prange body differed, calls a @kernel
-# that does not (`mla._head_times`). tests/test_jit.py holds models' logits in each format, compiled and
-# cached, to the same bits.
+# that does not (`mla._head_times`). tests/test_jit.py holds models' logits in each format,
+# compiled and cached and loaded in another order, to the same bits.
 FIXED_ORDER_FASTMATH = FASTMATH - {"reassoc"}
 
 COMMON_OPTIONS: dict[str, Any] = {

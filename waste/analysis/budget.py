@@ -323,9 +323,9 @@ class RunPrediction:
     @property
     def decode_estimate(self) -> tuple[float, float] | None:
         """(overlapped, serial) decode tok/s from the measured compute step: the disk's reads of the
-        misses and unused guesses under the step's compute, or after it; None when the compute was not measured. A
-        run's step also spends CPU on its reads and waits for the misses no guess read ahead, so it
-        falls between the two."""
+        misses and unused guesses under the step's compute, or after it; None when the compute was
+        not measured. A run's step also spends CPU on its reads and waits for the misses no guess
+        read ahead, so it falls between the two."""
         if self.compute is None:
             return None
         step, disk = self.compute.step_seconds, self.estimate_disk_seconds

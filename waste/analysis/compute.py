@@ -99,13 +99,14 @@ def measure_decode_compute(model: Any, steps: int = DECODE_COMPUTE_STEPS) -> Dec
         session = model.new_session(len(PROMPT) + WARM_STEPS + steps)
         model.prefill(session, list(PROMPT), all_logits=False)
         seconds = []
+        unused_before = 0  # the unused guesses of the untimed steps
         for i in range(WARM_STEPS + steps):
             if i == WARM_STEPS:
                 unused_before = store.unused_guesses
             t0 = time.perf_counter()
             model.decode(session, PROMPT[i % len(PROMPT)])
             seconds.append(time.perf_counter() - t0)
-        unused = (store.unused_guesses - unused_before) / steps
+        unused = (store.unused_guesses - unused_before) / max(1, steps)
     finally:
         model.store = own
         store.close()
