@@ -106,6 +106,15 @@ def test_max_new_checked_against_the_context_before_allocating(capsys: pytest.Ca
     assert "exceeds the model's capacity" in err
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["frob"], "waste: error: argument command: invalid choice: 'frob'"),
+    (["run", "x.waste", "--bogus"], "waste: error: unrecognized arguments: --bogus"),
+    (["run", "x.waste", "--max-new", "x"], "waste: error: waste run: argument --max-new: 'x' is not an integer"),
+])
+def test_usage_errors_name_the_program_once(capsys: pytest.CaptureFixture[str], argv: list[str], line: str) -> None:
+    assert one_line_error(capsys, argv).startswith(line)
+
+
 def test_debug_accepted_after_the_subcommand(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["info", str(tmp_path / "none.waste"), "--debug"]) == 2
     assert "Traceback" in capsys.readouterr().err

@@ -34,12 +34,16 @@ HANDLERS = {
     "demo": "waste.demo:cmd_demo",
 }
 
+ROOT_PROG = "waste"
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line with exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise WasteError(f"{self.prog}: {message}")
+        # A subcommand's parser names itself ("waste run: ..."); the root's name is already the
+        # line's own prefix ("waste: error: ...").
+        raise WasteError(message if self.prog == ROOT_PROG else f"{self.prog}: {message}")
 
 
 def _int(low: int, high: int = (1 << 63) - 1) -> Callable[[str], int]:
@@ -87,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     # SUPPRESS: given after the subcommand it sets args.debug, and never resets one given before it.
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks on errors")
-    p = _Parser(prog="waste", description="WASTE research workbench")
+    p = _Parser(prog=ROOT_PROG, description="WASTE research workbench")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -121,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quant", choices=tuple(x for x in SCHEMES if x != "bf16"), default=None,
                    help="write a container in this scheme directly (no checkpoint; float32 values)")
     s.add_argument("--quiet", action="store_true", help="no progress bar (with --quant)")
-    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--seed", type=SEED, default=0, help="of the random weights (default 0)")
     s.add_argument("--dtype", choices=("bf16", "f32"), default=None, help="checkpoint values (default bf16)")
     s.add_argument("--expert-format", choices=("mxfp4", "bf16", "f32"), default=None,
                    help="routed experts: MXFP4 (the default for K3, as it ships) or a float dtype (default --dtype)")
@@ -156,13 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="text, encoded by the container's tokenizer; the reply streams as text")
     src.add_argument("--chat", help="a user's turn: Kimi's chat template around it (continues a --session-in "
                      "conversation); the reply streams as text and stops at the end of the turn")
-    s.add_argument("--max-new", type=MAX_NEW, default=16)
+    s.add_argument("--max-new", type=MAX_NEW, default=16, help="tokens to generate (default 16)")
     # None = not given: a resumed session keeps its saved sampler unless these are given.
     s.add_argument("--temperature", type=_float(0.0), default=None, help="0 = greedy (default)")
     s.add_argument("--top-p", type=_float(0.0, 1.0, low_open=True), default=None, help="default 1")
     s.add_argument("--seed", type=SEED, default=None, help="default 0")
     s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=None, help=PREFILL_CHUNK_HELP)
-    s.add_argument("--router-weights", choices=("unbiased", "biased"), default="unbiased")
+    s.add_argument("--router-weights", choices=("unbiased", "biased"), default="unbiased",
+                   help="weigh the chosen experts by their scores without the routing bias (transformers, "
+                        "vLLM; default) or with it (the official remote code)")
     s.add_argument("--logits-out", help="write float32 logits [prompt_len + max_new, vocab] to this .npy")
     s.add_argument("--expert-cache", default=None,
                    help="byte budget of the streaming expert cache (0 disables), e.g. 2G, or 'mmap' for the memory "
@@ -184,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command("check", help="engine against the float64 oracle, per layer")
     s.add_argument("container")
-    s.add_argument("--prompt-len", type=_int(1, 1 << 24), default=80)
-    s.add_argument("--new", type=MAX_NEW, default=8)
-    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--prompt-len", type=_int(1, 1 << 24), default=80,
+                   help="random prompt tokens, prefilled and compared (default 80)")
+    s.add_argument("--new", type=MAX_NEW, default=8, help="greedy tokens decoded and compared after it (default 8)")
+    s.add_argument("--seed", type=SEED, default=0, help="of the random prompt (default 0)")
     s.add_argument("--prefill-chunk", type=_int(1, 1 << 20), default=None, help=PREFILL_CHUNK_HELP)
     s.add_argument("--tolerance", type=_float(0.0, low_open=True), default=None,
                    help="relative error allowed (default: 1e-5 for f32, else from the modelled rounding error)")
