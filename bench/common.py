@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -226,6 +227,19 @@ def cycle(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
         return calls[i]()
 
     return step
+
+
+def describe_exit(returncode: int) -> str:
+    """How a child process ended, for a one-line failure: its exit code, or the signal that killed
+    it (SIGKILL is what the kernel's out-of-memory killer sends, and leaves no message)."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    hint = " (the out-of-memory killer's signal: was another large process running?)" if name == "SIGKILL" else ""
+    return f"killed by {name}{hint}"
 
 
 def uptime() -> str:

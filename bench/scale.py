@@ -217,7 +217,7 @@ def child_run(args: argparse.Namespace, store: str) -> dict[str, Any]:
         cmd += ["--ram", args.ram]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"the {store} run failed:\n{done.stderr}")
+        raise SystemExit(f"the {store} run failed, {common.describe_exit(done.returncode)}:\n{done.stderr}".rstrip())
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
