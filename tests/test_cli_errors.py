@@ -93,6 +93,13 @@ def test_stdout_on_a_full_device() -> None:
     ["plan", "C", "--ram", "1G", "--disk-gbps", "1e308", "--mem-gbps", "1"],
     ["plan", "C", "--ram", "1G", "--disk-gbps", "inf", "--mem-gbps", "1"],
     ["run", "C", "--prompt-ids", "1", "--max-new", "1", "--temperature", "inf"],
+    # ASCII digits only: int() reads "1_0" as 10 and full-width digits; isdigit() takes "²"
+    ["run", "C", "--prompt-ids", "1,\u00b2"],
+    ["run", "C", "--prompt-ids", "1_0"],
+    ["run", "C", "--prompt-ids", "\uff11"],
+    ["run", "C", "--prompt-ids", "1", "--seed", "1_000"],
+    ["check", "C", "--prompt-len", "\uff14"],
+    ["plan", "tiny", "--context", "\uff14K"],
 ])
 def test_bad_numbers_refused_before_any_work(capsys: pytest.CaptureFixture[str], container: Path,
                                              argv: list[str]) -> None:
@@ -113,6 +120,28 @@ def test_max_new_checked_against_the_context_before_allocating(capsys: pytest.Ca
 ])
 def test_usage_errors_name_the_program_once(capsys: pytest.CaptureFixture[str], argv: list[str], line: str) -> None:
     assert one_line_error(capsys, argv).startswith(line)
+
+
+def test_out_of_memory_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape too large for the machine's memory (NumPy's MemoryError names the allocation)."""
+    def no_memory(*args: object, **kwargs: object) -> None:
+        raise MemoryError("Unable to allocate 256. GiB for an array with shape (65536, 1048576) and data type float32")
+
+    monkeypatch.setattr("waste.plan.make_plan", no_memory)
+    assert one_line_error(capsys, ["plan", "tiny"]) == ("waste: error: out of memory: Unable to allocate 256. GiB for "
+                                                        "an array with shape (65536, 1048576) and data type float32")
+
+
+def test_a_file_given_as_a_container_is_named_as_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "model.waste").write_text("")
+    assert one_line_error(capsys, ["info", str(tmp_path / "model.waste")]).endswith(
+        "not a container directory (a file; a container is a NAME.waste directory)")
+
+
+def test_an_output_directory_that_cannot_be_written_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not the working directory beside it that could not be made."""
+    assert one_line_error(capsys, ["synth", "tiny", "/proc/x"]) == "waste: error: /proc/x: cannot write in /proc: " \
+        "No such file or directory"
 
 
 def test_debug_accepted_after_the_subcommand(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -77,6 +77,8 @@ def _broken(mutate):
         (lambda d: d.update(rms_norm_eps=0), "'rms_norm_eps': expected a positive number, got 0"),
         (lambda d: d.update(rms_norm_eps=-1e-6), "'rms_norm_eps': expected a positive number"),
         (lambda d: d.update(routed_scaling_factor=0.0), "'routed_scaling_factor': expected a positive number"),
+        (lambda d: d.update(eos_token_id=d["vocab_size"]), "'eos_token_id': token id 163840 is outside the vocabulary"),
+        (lambda d: d.update(bos_token_id=-1), "'bos_token_id': expected an integer >= 0"),
     ],
 )
 def test_bad_config_names_the_key(mutate, message):

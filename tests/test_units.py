@@ -10,7 +10,13 @@ def test_parse_count(text, n):
     assert human_count(n) == (text.upper() if not text.isdigit() else "4K")
 
 
-@pytest.mark.parametrize("text", ["", "4KB", "-1", "1.5", "lots"])
+def test_parse_count_is_exact():
+    # through a float, 10**26 came back as 100000000000000004764729344
+    assert parse_count("9" * 26) == int("9" * 26) and parse_count("1.5K") == 1536
+    assert parse_size("9" * 26) == int("9" * 26)
+
+
+@pytest.mark.parametrize("text", ["", "4KB", "-1", "1.5", "lots", "\uff14K", "\u00b2", "1.0001K"])
 def test_parse_count_refuses(text):
     with pytest.raises(WasteError):
         parse_count(text)

@@ -12,6 +12,7 @@ import errno
 import importlib
 import math
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -50,10 +51,10 @@ def _int(low: int, high: int = (1 << 63) - 1) -> Callable[[str], int]:
     """An argparse type: an integer in [low, high] (every count and seed is checked before work starts)."""
 
     def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        # ASCII digits only: int() would also take "1_000" and full-width digits.
+        if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text):
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+        v = int(text)
         if not low <= v <= high:
             raise argparse.ArgumentTypeError(f"{v} is outside {low}..{high}")
         return v
@@ -258,6 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"waste: error: {describe_os_error(e)}", file=sys.stderr)
         if e.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
             _silence_stdout()
+        return 2
+    except MemoryError as e:
+        # A model or shape too large for this machine's memory (NumPy names the allocation).
+        if debug:
+            traceback.print_exc()
+        detail = str(e).strip()
+        print(f"waste: error: out of memory{': ' + detail if detail else ''}", file=sys.stderr)
         return 2
 
 

@@ -156,6 +156,15 @@ class _Keys:
     def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
         return self.int(key, minimum=minimum) if self.has(key) else None
 
+    def opt_token_id(self, key: str, vocab_size: int) -> int | None:
+        """A special token's id, if given: one of the vocabulary's (a chat would otherwise wait for
+        an end-of-turn id no logit can produce)."""
+        v = self.opt_int(key, minimum=0)
+        if v is not None and v >= vocab_size:
+            raise ConfigError(f"config key {self._path(key)!r}: token id {v} is outside the vocabulary "
+                              f"(vocab_size {vocab_size})")
+        return v
+
     def float(self, key: str, default: float | None = None) -> float:
         v = self._get(key, default)
         try:
@@ -386,9 +395,9 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         latent_moe_use_norm=latent is not None and c.bool("latent_moe_use_norm", False),
         expert_quant=expert_quant,
         tie_word_embeddings=c.bool("tie_word_embeddings", False),
-        bos_token_id=c.opt_int("bos_token_id", minimum=0),
-        eos_token_id=c.opt_int("eos_token_id", minimum=0),
-        pad_token_id=c.opt_int("pad_token_id", minimum=0),
+        bos_token_id=c.opt_token_id("bos_token_id", c.int("vocab_size")),
+        eos_token_id=c.opt_token_id("eos_token_id", c.int("vocab_size")),
+        pad_token_id=c.opt_token_id("pad_token_id", c.int("vocab_size")),
         raw=hf,
     )
 

@@ -29,6 +29,7 @@ from typing import BinaryIO
 import numpy as np
 
 from waste.errors import WasteError
+from waste.units import human_bytes
 
 NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
 
@@ -199,9 +200,23 @@ def recover_stale(out: Path) -> None:
 
 def temp_dir_for(out: Path) -> Path:
     """A fresh hidden working directory beside `out` (`.NAME.tmp-PID-RANDOM`: unique per writer)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    except OSError as e:  # named as the output, not as the working directory it could not make
+        raise WasteError(f"{out}: cannot write in {out.parent}: {e.strerror}") from None
     os.chmod(tmp, 0o777 & ~_umask())  # installed as the output: the mode mkdir would give, not mkdtemp's 0700
     return tmp
+
+
+def check_free_space(out: Path, need: int, what: str) -> None:
+    """Refuse before any work an output of `need` bytes (at least) that the file system holding
+    its directory has no room for: a full disk found late costs the time spent until then."""
+    try:
+        free = shutil.disk_usage(out.parent).free
+    except OSError:
+        return  # the writes themselves will name the problem
+    if need > free:
+        raise WasteError(f"{out}: the {what} needs {human_bytes(need)} and {out.parent} has {human_bytes(free)} free")
 
 
 def check_output_dir(out: Path, what: str, force: bool, same_kind: Callable[[Path], bool]) -> None:

@@ -43,7 +43,7 @@ from waste.container.format import (
     expert_name,
 )
 from waste.errors import WasteError
-from waste.fileio import check_output_dir, install_dir, recover_stale, remove_tree, temp_dir_for
+from waste.fileio import check_free_space, check_output_dir, install_dir, recover_stale, remove_tree, temp_dir_for
 from waste.kernels.mxfp4 import quantize_mxfp4
 from waste.tokenizer import synthetic_tokenizer_files, write_files
 from waste.units import human_bytes, parse_size
@@ -125,11 +125,17 @@ def synth_values(name: str, shape: Shape, cfg: ModelConfig, seed: int) -> np.nda
     return x
 
 
+def _entry_bytes(entry: k3_layout.CheckpointEntry) -> int:
+    """A checkpoint tensor's data bytes."""
+    st_dtype, shape, _, _ = entry
+    return math.prod(shape) * np.dtype(_ST_NUMPY[st_dtype]).itemsize
+
+
 def _plan_shards(entries: dict[str, k3_layout.CheckpointEntry], shard_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
-    for name, (st_dtype, shape, _, _) in entries.items():
-        n = math.prod(shape) * np.dtype(_ST_NUMPY[st_dtype]).itemsize
+    for name, entry in entries.items():
+        n = _entry_bytes(entry)
         if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
@@ -162,7 +168,7 @@ def _write_shard(path: Path, names: list[str], entries: dict[str, k3_layout.Chec
     pos = 0
     for name in names:
         st_dtype, shape, _, _ = entries[name]
-        n = math.prod(shape) * np.dtype(_ST_NUMPY[st_dtype]).itemsize
+        n = _entry_bytes(entries[name])
         header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
         pos += n
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -223,6 +229,7 @@ def synthesize(cfg_or_preset: ModelConfig | dict[str, Any] | str | Path, out_dir
     values = _Values(cfg, seed, checkpoint_tensors(cfg))
     tmp = temp_dir_for(out)
     try:
+        check_free_space(out, sum(_entry_bytes(e) for e in entries.values()), "checkpoint")
         hf["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         tokenizer = synthetic_tokenizer_files(cfg)

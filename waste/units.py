@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from waste.errors import WasteError
 
@@ -12,7 +13,9 @@ MAX_GBPS = 1e6
 
 _BINARY = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # A number, then nothing, a unit letter optionally followed by B or iB (4K, 4KB, 4KiB), or a lone B.
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?B)?|(B))?\s*$", re.IGNORECASE)
+# ASCII digits only (Python's \d also takes "²" and full-width digits); the value is computed exactly
+# (a float would show 10**26 typed as 100000000000000004764729344).
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?B)?|(B))?\s*$", re.IGNORECASE | re.ASCII)
 
 
 def parse_count(text: str | int, what: str = "count") -> int:
@@ -23,10 +26,10 @@ def parse_count(text: str | int, what: str = "count") -> int:
         m = _SIZE.match(str(text))
         if not m or m.group(3) or m.group(4):
             raise WasteError(f"{what} {text!r}: expected a whole number such as 4096, 4K, 128K or 1M")
-        value_f = float(m.group(1)) * _BINARY[(m.group(2) or "").upper()]
-        if value_f != int(value_f):
+        exact = Fraction(m.group(1)) * _BINARY[(m.group(2) or "").upper()]
+        if exact.denominator != 1:
             raise WasteError(f"{what} {text!r}: not a whole number of tokens")
-        value = int(value_f)
+        value = int(exact)
     if value < 0:
         raise WasteError(f"{what} {text!r}: must not be negative")
     return value
@@ -39,8 +42,8 @@ def parse_size(text: str | int, what: str = "size") -> int:
     m = _SIZE.match(str(text))
     if not m:
         raise WasteError(f"{what} {text!r}: expected a byte size such as 512M, 24G or 24GiB")
-    number, unit = float(m.group(1)), (m.group(2) or "").upper()
-    if not unit and not number.is_integer():  # "1.5" meant 1.5 of some unit, not one byte
+    number, unit = Fraction(m.group(1)), (m.group(2) or "").upper()
+    if not unit and number.denominator != 1:  # "1.5" meant 1.5 of some unit, not one byte
         raise WasteError(f"{what} {text!r}: a fraction of a byte; give a unit, such as {text}G")
     return int(number * _BINARY[unit])
 

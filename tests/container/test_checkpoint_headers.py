@@ -41,8 +41,11 @@ def header_of(tensors: dict) -> bytes:
         (header_of({"a": {**F32_1, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32_1, "data_offsets": [4, 8]}}),
          bytes(8), "tensors 'a' and 'b' share bytes"),
         (json.dumps({"a": F32_1}).encode("utf-16"), bytes(4), "header is not valid JSON"),
+        (header_of({"a": {**F32_1, "shape": [0], "data_offsets": [8, 0]}}), bytes(8),
+         r"tensor 'a': data_offsets \[8, 0\] end before they start"),
     ],
-    ids=["dtype-list", "dtype-dict", "bool-dim", "deep-nesting", "duplicate-name", "same-bytes", "overlap", "utf16"],
+    ids=["dtype-list", "dtype-dict", "bool-dim", "deep-nesting", "duplicate-name", "same-bytes", "overlap", "utf16",
+         "reversed-offsets"],
 )
 def test_malformed_header_is_one_error(tmp_path: Path, header: bytes, data: bytes, message: str) -> None:
     path = write_safetensors(tmp_path / "model.safetensors", header, data)
@@ -72,6 +75,18 @@ def test_header_longer_than_safetensors_allows(tmp_path: Path) -> None:
 def test_deeply_nested_index(tmp_path: Path) -> None:
     (tmp_path / INDEX).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(WasteError, match=f"{INDEX}: not a safetensors index"):
+        checkpoint_files(tmp_path)
+
+
+@pytest.mark.parametrize(("index", "message"), [
+    ({"weight_map": ["model.safetensors"]}, 'expected a "weight_map" object'),
+    (["weight_map"], 'expected a "weight_map" object'),
+    ({"metadata": {}}, 'expected a "weight_map" object'),
+    ({"weight_map": {"a": ["model.safetensors"]}}, "its weight_map's values must be shard file names"),
+])
+def test_an_index_of_the_wrong_shape_says_what_it_expected(tmp_path: Path, index: object, message: str) -> None:
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(WasteError, match=f"{INDEX}: not a safetensors index .*{message}"):
         checkpoint_files(tmp_path)
 
 

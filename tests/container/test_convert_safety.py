@@ -112,3 +112,25 @@ def test_a_file_too_large_for_the_file_system_leaves_nothing(checkpoint: Path, t
         convert(checkpoint, tmp_path / "o.waste", quant="f32", progress=False)
     assert list(tmp_path.iterdir()) == []
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+@pytest.mark.parametrize("command", [
+    ["synth", "tiny", "{out}"],
+    ["synth", "tiny", "{out}.waste", "--quant", "q8", "--quiet"],
+    ["convert", "{checkpoint}", "{out}.waste", "--quant", "q8", "--quiet"],
+])
+def test_an_output_the_disk_has_no_room_for_is_refused_before_writing(
+        command: list[str], checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Free space below the output's size: one line naming both sizes, exit 2, nothing left behind
+    (the files would otherwise be written until the disk filled, part-way through)."""
+    import shutil
+
+    out = tmp_path / "out"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
+    argv = [a.format(out=out, checkpoint=checkpoint) for a in command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"waste: error: {out}") and "needs" in err and "4 KiB free" in err, err
+    assert list(tmp_path.iterdir()) == []

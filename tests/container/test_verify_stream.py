@@ -63,9 +63,11 @@ def test_spans_across_read_blocks(container: Path, capsys: pytest.CaptureFixture
     _flip(container / "trunk.bin", entry.offset + entry.nbytes // 2)
     capsys.readouterr()
     assert main(["verify", str(container)]) == 2
-    err = capsys.readouterr().err
-    assert f"CRC mismatch in model.layers.{layer}.block_sparse_moe.experts.5.w3.weight (blob at byte {offset})" in err
-    assert f"CRC mismatch in tensor {big!r}" in err
+    out, err = capsys.readouterr()
+    # every problem on stdout, verify's report; stderr one line: the first, and how many more
+    assert f"CRC mismatch in model.layers.{layer}.block_sparse_moe.experts.5.w3.weight (blob at byte {offset})" in out
+    assert f"CRC mismatch in tensor {big!r}" in out and out.count("\n") == 2
+    assert err.count("\n") == 1 and err.startswith("waste: error: ") and "(and 1 more problem, listed on stdout)" in err
 
 
 def test_progress_bar_only_on_a_terminal(container: Path) -> None:

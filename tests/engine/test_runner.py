@@ -64,3 +64,12 @@ def test_waste_run_says_when_its_timings_include_compiling(tiny, monkeypatch, ca
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "of these, compiling kernels: 12.2 s of the prefill, 3.5 s of the decode" in out
+
+
+def test_speeds_are_undefined_without_tokens() -> None:
+    """A resumed session with an empty prompt, or --max-new 0, times a little work but no token:
+    no speed (the stats line shows "-"), not 0 tok/s."""
+    empty = runner.RunResult(prompt_len=0, generated=[], logits=[], prefill_seconds=1e-4, decode_seconds=1e-4)
+    assert np.isnan(empty.prefill_tps) and np.isnan(empty.decode_tps)
+    run = runner.RunResult(prompt_len=8, generated=[1, 2], logits=[], prefill_seconds=0.5, decode_seconds=0.25)
+    assert run.prefill_tps == 16.0 and run.decode_tps == 8.0

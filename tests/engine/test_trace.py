@@ -154,6 +154,15 @@ def test_load_refuses_damaged_and_unknown_files(tmp_path):
     with pytest.raises(WasteError, match="not a readable"):
         load(path)
 
+    np.save(tmp_path / "one.npy", np.zeros(3))  # a lone array, not an archive
+    with pytest.raises(WasteError, match="a single .npy array, not the .npz archive"):
+        load(tmp_path / "one.npy")
+    with pytest.raises(WasteError, match="is a directory"):
+        load(tmp_path)
+    (tmp_path / "text.npz").write_text("hello")
+    with pytest.raises(WasteError, match=r"not a readable \.npz archive, as waste run --trace-out writes"):
+        load(tmp_path / "text.npz")
+
     path.write_bytes(raw)
     _rewrite(path, version=np.array(TRACE_VERSION + 1))
     with pytest.raises(WasteError, match="version 2 is not supported"):

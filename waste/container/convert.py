@@ -122,6 +122,8 @@ def read_header(path: Path) -> list[SourceTensor]:
             ok = False
         if not ok:
             raise WasteError(f"{path}: tensor {name!r} has a malformed header entry")
+        if hi < lo:
+            raise WasteError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] end before they start")
         if k3_layout.is_vision(name):
             out.append(SourceTensor(name, path, dtype, shape, 8 + n + lo, hi - lo))
             continue
@@ -145,10 +147,18 @@ def checkpoint_files(hf_dir: Path) -> list[Path]:
     index = hf_dir / INDEX
     if os.path.lexists(index):
         try:
-            weight_map = json.loads(read_bounded(index, _MAX_HEADER, "safetensors index"))["weight_map"]
+            doc = json.loads(read_bounded(index, _MAX_HEADER, "safetensors index"))
+        except (ValueError, RecursionError) as e:
+            raise WasteError(f"{index}: not a safetensors index (not valid JSON: {e})") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise WasteError(f"{index}: not a safetensors index (expected a \"weight_map\" object of tensor "
+                             "name -> shard file)")
+        try:
             files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            raise WasteError(f"{index}: not a safetensors index ({e})") from None
+        except TypeError:  # unhashable or mixed values: each is checked to be a file name below
+            raise WasteError(f"{index}: not a safetensors index (its weight_map's values must be shard file "
+                             "names)") from None
         for f in files:
             # A shard is a file beside its index: a path elsewhere is no part of this checkpoint
             if not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f or "\\" in f:

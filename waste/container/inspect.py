@@ -84,10 +84,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             report = verify_files(c, bar.update)
         problems = report.problems + tokenizer_problems(c)
     if problems:
-        for p in problems[1:]:
-            print(f"waste: {p}", file=sys.stderr)
-        more = f" ({len(problems) - 1} more problems above)" if len(problems) > 1 else ""
-        raise ContainerError(problems[0] + more)
+        # Every problem is verify's report, on stdout; stderr keeps its one line: the first of them.
+        if len(problems) > 1:
+            for p in problems:
+                print(p)
+        more = len(problems) - 1
+        raise ContainerError(problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}, listed on stdout)"
+                                            if more else ""))
     blobs = counts["expert_layers"] * counts["num_experts"]
     print(f"{args.container}: OK ({n_tensors} trunk tensors, {blobs} expert blobs, {human_bytes(total)} checked in "
           f"{report.seconds:.2f} s, {report.gbps:.2f} GB/s, {'+'.join(sorted(report.io_modes)) or 'no'} reads)")

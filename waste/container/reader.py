@@ -63,8 +63,11 @@ _DAMAGED = "the container is damaged (`waste verify` lists every problem; --no-v
 def _open_dir(path: Path) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         raise ContainerError(f"{path}: not a container directory (no such directory)") from None
+    except NotADirectoryError:
+        raise ContainerError(f"{path}: not a container directory (a file; a container is a NAME.waste "
+                             "directory)") from None
     except OSError as e:
         raise ContainerError(f"{path}: cannot open the container directory ({e.strerror})") from None
 

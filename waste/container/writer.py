@@ -34,7 +34,7 @@ from waste.container.format import (
 )
 from waste.container.manifest import manifest_json
 from waste.errors import WasteError
-from waste.fileio import check_output_dir, install_dir, recover_stale, remove_tree, temp_dir_for
+from waste.fileio import check_free_space, check_output_dir, install_dir, recover_stale, remove_tree, temp_dir_for
 from waste.tokenizer import write_files
 
 # The quantiser and QMatrix (Numba kernels) are imported when a tensor is encoded, so that
@@ -121,6 +121,8 @@ class ContainerWriter:
         self.tmp = temp_dir_for(self.out)
         self._fds: dict[str, int] = {}
         try:
+            # The files are sized at once but sparse: without this, a full disk shows only part-way.
+            check_free_space(self.out, self.trunk_bytes + self.experts.file_bytes, "container")
             for name, size in ((TRUNK, self.trunk_bytes), (EXPERTS, self.experts.file_bytes)):
                 fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 self._fds[name] = fd

@@ -22,11 +22,11 @@ _MAX_ID = (1 << 62) - 1
 def parse_ids(text: str, where: str) -> list[int]:
     """Token ids separated by commas and/or whitespace."""
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
-    try:
-        ids = [int(p) for p in parts]
-    except ValueError:
-        bad = next(p for p in parts if not p.lstrip("-").isdigit())
-        raise WasteError(f"{where}: {bad!r} is not a token id (expected integers such as 1,2,3)") from None
+    # ASCII digits only: int() also reads "1_0" as 10 and full-width digits, and isdigit() takes "²".
+    bad = next((p for p in parts if not re.fullmatch(r"-?[0-9]+", p)), None)
+    if bad is not None:
+        raise WasteError(f"{where}: {bad!r} is not a token id (expected integers such as 1,2,3)")
+    ids = [int(p) for p in parts]
     bad_ids = [i for i in ids if not 0 <= i <= _MAX_ID]
     if bad_ids:
         raise WasteError(f"{where}: token id {bad_ids[0]} is out of range")

@@ -30,7 +30,7 @@ class RunResult:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_len / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+        return self.prompt_len / self.prefill_seconds if self.prefill_seconds > 0 and self.prompt_len else float("nan")
 
     @property
     def decode_tps(self) -> float:

@@ -396,11 +396,20 @@ def is_trace_file(path: str | os.PathLike[str]) -> bool:
 def load(path: str | os.PathLike[str]) -> Trace:
     """Read a trace written by Trace.save; refuses unknown versions and damaged files."""
     path = Path(path)
+    if path.is_dir():
+        raise WasteError(f"trace {path}: is a directory, not a .npz file")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {name: z[name] for name in z.files}
+        loaded = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise WasteError(f"trace {path}: no such file") from None
+    except Exception as e:  # NumPy's reasons are its own (a pickle, a bad header): name the file's kind
+        raise WasteError(f"trace {path}: not a readable .npz archive, as waste run --trace-out writes "
+                         f"({type(e).__name__})") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise WasteError(f"trace {path}: a single .npy array, not the .npz archive waste run --trace-out writes")
+    try:
+        with loaded as z:
+            data = {name: z[name] for name in z.files}
     except Exception as e:
         raise WasteError(f"trace {path}: not a readable .npz ({type(e).__name__}: {e})") from None
     if str(data.get("format", "")) != TRACE_FORMAT:
