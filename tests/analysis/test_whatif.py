@@ -110,6 +110,13 @@ def test_measured_points_from_bench_json(tmp_path, plans):
     (tmp_path / "engine.json").write_text(json.dumps(engine))
     assert [(p.preset, p.scheme, p.tokens_per_second) for p in measured_points(tmp_path)[:2]] == [
         ("mini", "q8", 100.0), ("k3-mini", "q8", 30.0)]
+    # Files another version of a bench wrote (a field renamed, a list for an object) place no point
+    # from that file, and no exception: the memory_planning notebook reads whatever bench/results holds.
+    (tmp_path / "engine.json").write_text(json.dumps({"runs": [{"scheme": "q8", "decode_tok_s": 100.0}]}))
+    assert [p.label for p in measured_points(tmp_path)] == ["bench/streaming.py 50% cache"]
+    (tmp_path / "streaming.json").write_text(json.dumps({"preset": "mini", "budgets": [{"fraction": 0.5}]}))
+    (tmp_path / "engine.json").write_text(json.dumps([1, 2]))
+    assert measured_points(tmp_path) == []
 
 
 def test_multiply_adds_count_a_tied_lm_head(tmp_path):

@@ -168,18 +168,30 @@ def measured_points(results_dir: str | Path, resident: dict[str, int] | None = N
     run sits at the RAM it planned with, beside what `waste plan` predicts for that RAM."""
     results_dir = Path(results_dir)
     out: list[MeasuredPoint] = []
-    engine = _read(results_dir / "engine.json")
-    for run in engine.get("runs", []):
-        # Each run names its preset (mini and k3-mini share one file); older files named one for all.
-        preset = run.get("preset", engine.get("preset", "mini"))
-        out.append(MeasuredPoint(f"bench/engine.py {run['scheme']}", preset, run["scheme"], None, 1.0,
-                                 float(run["decode_tps"])))
-    streaming = _read(results_dir / "streaming.json")
-    base = (resident or {}).get(f"{streaming.get('preset')}/{streaming.get('scheme')}")
-    for b in streaming.get("budgets", []):
-        ram = None if base is None else base + int(b["budget_bytes"])
-        out.append(MeasuredPoint(f"bench/streaming.py {100 * b['budget_fraction']:g}% cache", streaming["preset"],
-                                 streaming["scheme"], ram, b.get("decode_hit_rate"), float(b["decode_tps"])))
+    # A result file another version of the bench wrote (fields renamed or missing) places no point.
+    try:
+        engine = _read(results_dir / "engine.json")
+        points = []
+        for run in engine.get("runs", []):
+            # Each run names its preset (mini and k3-mini share one file); older files named one for all.
+            preset = run.get("preset", engine.get("preset", "mini"))
+            points.append(MeasuredPoint(f"bench/engine.py {run['scheme']}", preset, run["scheme"], None, 1.0,
+                                        float(run["decode_tps"])))
+        out += points
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass
+    try:
+        streaming = _read(results_dir / "streaming.json")
+        base = (resident or {}).get(f"{streaming.get('preset')}/{streaming.get('scheme')}")
+        points = []
+        for b in streaming.get("budgets", []):
+            ram = None if base is None else base + int(b["budget_bytes"])
+            points.append(MeasuredPoint(f"bench/streaming.py {100 * b['budget_fraction']:g}% cache",
+                                        streaming["preset"], streaming["scheme"], ram, b.get("decode_hit_rate"),
+                                        float(b["decode_tps"])))
+        out += points
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass
     for path in sorted(results_dir.glob("scale-*.json")):
         try:
             scale = load_scale_bench(path)
@@ -254,6 +266,10 @@ def plot_what_if(rams: Sequence[int], over_ram: tuple[np.ndarray, np.ndarray], h
     return fig
 
 
+# The NVMe read bandwidth the panel starts at: a PCIe 4.0 x4 drive's sequential reads.
+DEFAULT_NVME_GBPS = 7.0
+
+
 class WhatIfPanel:
     """The memory_planning controls: model, RAM budget, bandwidths, compute rate, and a hit rate
     that follows the budget unless "set the hit rate by hand" is ticked. `update()` is the
@@ -267,7 +283,7 @@ class WhatIfPanel:
         self.target = w.Dropdown(options=list(targets.items()), description="model")
         self.ram = w.FloatLogSlider(value=ram_gib, base=2, min=-4, max=10, step=0.25, continuous_update=False,
                                     description="RAM (GiB)", readout_format=".3g")
-        self.nvme = w.FloatText(value=7.0, description="NVMe (GB/s)")
+        self.nvme = w.FloatText(value=DEFAULT_NVME_GBPS, description="NVMe (GB/s)")
         self.mem = w.FloatText(value=round(mem_gbps, 1), description="RAM (GB/s)")
         self.gmacs = w.FloatText(value=round(gmacs, 1), description="GMAC/s")
         self.manual = w.Checkbox(value=False, description="set the hit rate by hand")
