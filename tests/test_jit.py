@@ -47,15 +47,16 @@ def test_kernel_options_are_shared() -> None:
     assert double.targetoptions["fastmath"] == jit.FASTMATH and double.targetoptions["nogil"]
 
 
-def test_bad_blas_threads_is_a_one_line_cli_error() -> None:
-    env = dict(os.environ, **{BLAS_THREADS_ENV: "0"})
+@pytest.mark.parametrize("value", ["0", "\u00b2"])  # "²" passes str.isdigit(), not int()
+def test_bad_blas_threads_is_a_one_line_cli_error(value: str) -> None:
+    env = dict(os.environ, **{BLAS_THREADS_ENV: value})
     code = "from waste.cli import main; raise SystemExit(main(['plan', 'tiny']))"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
-    assert run.stderr.strip() == "waste: error: WASTE_BLAS_THREADS='0': expected a positive number of threads"
+    assert run.stderr.strip() == f"waste: error: WASTE_BLAS_THREADS={value!r}: expected a positive number of threads"
 
 
-@pytest.mark.parametrize("value", ["0", "abc", "-2"])
+@pytest.mark.parametrize("value", ["0", "abc", "-2", "\u00b2"])
 def test_bad_numba_threads_is_a_one_line_cli_error(value: str) -> None:
     env = dict(os.environ, NUMBA_NUM_THREADS=value)
     code = "from waste.cli import main; raise SystemExit(main(['plan', 'tiny']))"

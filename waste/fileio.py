@@ -173,7 +173,7 @@ def _stale(parent: Path, name: str, tag: str) -> list[Path]:
     prefix = f".{name}.{tag}-"
     for p in parent.glob(glob.escape(prefix) + "*"):
         pid = p.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             out.append(p)
     return out
 
