@@ -141,3 +141,88 @@ def test_containers_with_zlib_tokenizer_records_still_load(container: Path, caps
     _flip(container / "tokenizer" / "tiktoken.model", 3)
     assert main(["run", str(container), "--prompt", "Hello", "--max-new", "1"]) == 2
     assert "CRC mismatch" in capsys.readouterr().err
+
+
+def _write_with_fresh_crcs(container: Path, *, tensor: str | None = None, expert: tuple[int, int, int] | None = None,
+                           buffer: str, data: bytes) -> str:
+    """Overwrite the start of one buffer of a trunk tensor or of an expert part (layer, expert,
+    part index) and recompute its CRC and the manifest's checksum: damage no CRC can see, as a
+    faulty writer would leave. Returns the name verify should report."""
+    from waste.container.format import crc32c
+
+    path = container / "manifest.json"
+    doc = json.loads(path.read_text())
+    if tensor is not None:
+        row = next(t for t in doc["tensors"] if t["name"] == tensor)
+        file, start, name = container / "trunk.bin", row["offset"], f"tensor {tensor!r}"
+    else:
+        layer, e, p = expert
+        ex = doc["experts"]
+        li = ex["layers"].index(layer)
+        row = ex["parts"][p]
+        start = (li * ex["num_experts"] + e) * ex["blob_bytes"] + row["offset"]
+        file = container / "experts.bin"
+        name = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{row['name']}.weight"
+    buf = next(b for b in row["buffers"] if b["name"] == buffer)
+    with open(file, "r+b") as f:
+        f.seek(start + buf["offset"])
+        f.write(data)
+        f.seek(start)
+        crc = crc32c(f.read(row["bytes"]))
+    if tensor is not None:
+        row["crc32c"] = crc
+    else:
+        doc["experts"]["crc32c"][li][e][p] = crc
+    doc[CHECKSUM_KEY] = manifest_checksum(doc)
+    path.write_text(json.dumps(doc))
+    return name
+
+
+@pytest.mark.parametrize(("build", "where", "buffer", "data", "problem"), [
+    ({"quant": "f32"}, "model.norm.weight", "w", struct.pack("<f", float("nan")), "NaN or infinite values"),
+    ({"quant": "f32"}, (1, 3, 2), "w", struct.pack("<f", float("-inf")), "NaN or infinite values"),
+    ({"quant": "bf16"}, "lm_head.weight", "w", struct.pack("<H", 0x7FC1), "NaN or infinite values"),
+    ({"quant": "q4"}, (1, 5, 1), "scales", struct.pack("<e", float("inf")), "NaN or infinite values"),
+    ({"quant": "q8"}, "model.embed_tokens.weight", "tscale", struct.pack("<f", float("nan")),
+     "NaN or infinite values"),
+    ({"quant": "q8", "preset": "k3-tiny"}, (2, 7, 0), "scales", b"\x7f\xff", "the E8M0 NaN scale byte 255"),
+])
+def test_verify_names_values_that_are_not_numbers(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str], build: dict,
+                                                   where: str | tuple, buffer: str, data: bytes, problem: str) -> None:
+    """A NaN, an infinity or MXFP4's NaN scale with CRCs that match (a faulty writer, not a flipped
+    bit): verify names the tensor and buffer, where a run would only meet NaN logits."""
+    container = tmp_path / "c.waste"
+    shutil.copytree(tiny_container(tmp_path_factory, **build), container)
+    assert main(["verify", str(container)]) == 0
+    capsys.readouterr()
+    name = _write_with_fresh_crcs(container, tensor=where if isinstance(where, str) else None,
+                                  expert=where if isinstance(where, tuple) else None, buffer=buffer, data=data)
+    assert main(["verify", str(container)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "CRC" not in err, err  # the one problem: stderr's line
+    assert f"{name} holds {problem} (buffer {buffer!r}" in err, err
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "e8m0"])
+def test_non_numbers_are_found_by_their_bits(kind: str) -> None:
+    """Every NaN and infinity of each kind is found, and no finite value is: all 2^16 float16 and
+    bfloat16 patterns, every E8M0 byte, and float32's edges."""
+    import ml_dtypes
+    import numpy as np
+
+    from waste.container.verify import holds_non_number
+
+    if kind in ("float16", "bfloat16"):
+        bits = np.arange(1 << 16, dtype=np.uint16)
+        values = bits.view(np.float16 if kind == "float16" else ml_dtypes.bfloat16).astype(np.float32)
+    elif kind == "e8m0":
+        bits = np.arange(256, dtype=np.uint8)
+        values = np.where(bits == 255, np.nan, 2.0 ** (bits.astype(np.float64) - 127))
+    else:
+        edges = np.array([0.0, -0.0, 1e-45, 3.4028235e38, -3.4028235e38, np.inf, -np.inf, np.nan], np.float32)
+        bits = np.concatenate([edges.view(np.uint32), np.array([0x7F800001, 0xFFFFFFFF], np.uint32)])
+        values = bits.view(np.float32)
+    for b, v in zip(bits, values, strict=True):
+        piece = np.frombuffer(b.tobytes(), np.uint8)
+        assert holds_non_number(piece, kind) == (not np.isfinite(v)), (kind, hex(int(b)))

@@ -71,7 +71,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """`waste verify CONTAINER`: exit 0 when every CRC matches and all padding is zero, else 2.
+    """`waste verify CONTAINER`: exit 0 when every CRC matches, all padding is zero and every stored
+    float is a number (and no MXFP4 scale is E8M0's NaN), else 2.
 
     Both files are read once, sequentially (`waste.container.verify`). A progress bar shows on
     stderr only when stderr is a terminal, so logs and pipes get nothing but the result line."""

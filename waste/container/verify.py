@@ -22,21 +22,64 @@ from typing import Any
 
 import numpy as np
 
-from waste.container.format import EXPERT_PARTS, EXPERTS, TRUNK, crc32c
+from waste.container.format import EXPERT_PARTS, EXPERTS, TRUNK, TRUNK_ALIGN, TensorEntry, crc32c
 from waste.fileio import open_regular
 
 VERIFY_BLOCK = 16 << 20  # bytes per read: large and sequential; a multiple of every O_DIRECT alignment
 
 
 @dataclass(frozen=True)
+class ValueRegion:
+    """Bytes [start, end) of a file holding one buffer's values, each of which must be a number:
+    `kind` is a float dtype name ("float32", "float16", "bfloat16") or "e8m0" (MXFP4 scales)."""
+
+    start: int
+    end: int
+    kind: str
+    problem: str
+
+
+# The bits that make a value NaN or infinite: the exponent field all ones (E8M0 has only an exponent).
+_NOT_A_NUMBER_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00),
+                      "bfloat16": (np.uint16, 0x7F80), "e8m0": (np.uint8, 0xFF)}
+# What each stored buffer's values are, by (storage, buffer name); the rest are integer codes.
+_BUFFER_VALUES = {("f32", "w"): "float32", ("bf16", "w"): "bfloat16", ("q8g", "scales"): "float16",
+                  ("q8g", "tscale"): "float32", ("q4g", "scales"): "float16", ("q4g", "tscale"): "float32",
+                  ("mxfp4", "scales"): "e8m0"}
+
+
+def holds_non_number(piece: np.ndarray, kind: str) -> bool:
+    """Whether the bytes `piece` (whole values of `kind`) hold a NaN or an infinity."""
+    dtype, bits = _NOT_A_NUMBER_BITS[kind]
+    values = piece.view(dtype)
+    return bool(np.any(np.bitwise_and(values, bits) == bits))
+
+
+def value_regions(entry: TensorEntry, base: int, what: str, where: str = "") -> tuple[ValueRegion, ...]:
+    """The value-holding buffers of a tensor whose span starts at byte `base` of its file; `what`
+    names the tensor in a problem, `where` is added after the buffer's name."""
+    kind_of = "f32" if entry.kind == "array" else entry.storage
+    regions = []
+    for b in entry.buffers:
+        kind = _BUFFER_VALUES.get((kind_of, b.name))
+        if kind is not None and b.nbytes:
+            problem = "the E8M0 NaN scale byte 255" if kind == "e8m0" else "NaN or infinite values"
+            regions.append(ValueRegion(base + b.offset, base + b.offset + b.nbytes, kind,
+                                       f"{what} holds {problem} (buffer {b.name!r}{where})"))
+    return tuple(regions)
+
+
+@dataclass(frozen=True)
 class Span:
     """Bytes [start, end) of a file: a CRC32C span (`crc` set) or padding (`crc` None, must be zero).
-    `problem` is the message when the check fails."""
+    `problem` is the message when the check fails; `values` are the span's buffers whose values
+    must be numbers."""
 
     start: int
     end: int
     crc: int | None
     problem: str
+    values: tuple[ValueRegion, ...] = ()
 
 
 @dataclass
@@ -63,7 +106,8 @@ def trunk_spans(container: Any) -> list[Span]:
             spans.append(Span(pos, e.offset, None, f"{path}: nonzero padding in bytes {pos}..{e.offset} before tensor "
                                                    f"{e.name!r}"))
         spans.append(Span(e.offset, e.offset + e.nbytes, e.crc32c,
-                          f"{path}: CRC mismatch in tensor {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes})"))
+                          f"{path}: CRC mismatch in tensor {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes})",
+                          value_regions(e, e.offset, f"{path}: tensor {e.name!r}")))
         pos = e.offset + e.nbytes
     size = m.file_bytes[TRUNK]
     if size > pos:
@@ -85,9 +129,10 @@ def expert_spans(container: Any) -> list[Span]:
                 if part.offset > pos:
                     spans.append(Span(base + pos, base + part.offset, None, f"{path}: nonzero padding before "
                                       f"{EXPERT_PARTS[p]} of expert {e}, layer {layer}"))
+                name = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{part.name}.weight"
                 spans.append(Span(base + part.offset, base + part.offset + part.nbytes, crcs[e][p],
-                                  f"{path}: CRC mismatch in model.layers.{layer}.block_sparse_moe.experts.{e}."
-                                  f"{part.name}.weight (blob at byte {base})"))
+                                  f"{path}: CRC mismatch in {name} (blob at byte {base})",
+                                  value_regions(part, base + part.offset, f"{path}: {name}", f", blob at byte {base}")))
                 pos = part.offset + part.nbytes
             if ex.blob_bytes > pos:
                 spans.append(Span(base + pos, base + ex.blob_bytes, None,
@@ -131,6 +176,8 @@ def _blocks(fd: int, size: int, io_mode: str, reopen: Callable[[], int]) -> Iter
             pending = pool.submit(read, 0, buffers[0]) if size else None
             while pending is not None:
                 got = min(pending.result(), size - offset)
+                if offset + got < size:
+                    got -= got % TRUNK_ALIGN  # a short read: blocks end between values, never inside one
                 if got <= 0:
                     return
                 nxt = offset + got
@@ -146,7 +193,7 @@ def check_file(container: Any, name: str, spans: list[Span], report: VerifyRepor
     """Read one file of the container and check it against `spans`, adding to `report`."""
     size = spans[-1].end if spans else 0
     fd, first_mode = _open(container, name)
-    i, crc, flagged = 0, 0, False
+    i, crc, flagged, bad_values = 0, 0, False, False
     end = 0
     for offset, block, mode in _blocks(fd, size, first_mode, lambda: container.open_member(name)):
         end = offset + block.size
@@ -159,6 +206,8 @@ def check_file(container: Any, name: str, spans: list[Span], report: VerifyRepor
                 piece = block[lo - offset:hi - offset]
                 if s.crc is not None:
                     crc = crc32c(piece, crc)
+                    if not bad_values:
+                        bad_values = _check_values(s.values, block, offset, lo, hi, report)
                 elif not flagged and piece.any():
                     report.problems.append(s.problem)
                     flagged = True
@@ -166,15 +215,27 @@ def check_file(container: Any, name: str, spans: list[Span], report: VerifyRepor
                 break
             if s.crc is not None and crc != s.crc:
                 report.problems.append(s.problem)
-            i, crc, flagged = i + 1, 0, False
+            i, crc, flagged, bad_values = i + 1, 0, False, False
         progress(block.size)
     if end < size:
         report.problems.append(f"{container.path / name}: ended at byte {end} of {size} while being read")
 
 
+def _check_values(regions: tuple[ValueRegion, ...], block: np.ndarray, offset: int, lo: int, hi: int,
+                  report: VerifyReport) -> bool:
+    """Check the values of `regions` inside bytes [lo, hi) of the file (`block` starts at `offset`);
+    report the first region found to hold a non-number and return True, else False."""
+    for r in regions:
+        a, b = max(r.start, lo), min(r.end, hi)
+        if a < b and holds_non_number(block[a - offset:b - offset], r.kind):
+            report.problems.append(r.problem)
+            return True
+    return False
+
+
 def verify_files(container: Any, progress: Callable[[int], Any] = lambda n: None) -> VerifyReport:
-    """Every CRC and every padding byte of trunk.bin, then experts.bin; `progress(n)` after each
-    block of n bytes."""
+    """Every CRC, padding byte and stored float of trunk.bin, then experts.bin; `progress(n)` after
+    each block of n bytes."""
     report = VerifyReport()
     t0 = time.perf_counter()
     check_file(container, TRUNK, trunk_spans(container), report, progress)
