@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("container")
     s.add_argument("--json", action="store_true")
 
-    s = command("verify", help="check every CRC and bound of a container")
-    s.add_argument("container")
+    s = command("verify", help="check every CRC, padding byte and stored float of a container")
+    s.add_argument("container", help="a NAME.waste container directory")
 
     s = command("run", help="generate tokens from a container")
     s.add_argument("container")
