@@ -261,3 +261,14 @@ def test_a_full_device_names_the_output(capsys: pytest.CaptureFixture[str], cont
     err = one_line_error(capsys, ["synth", "tiny", str(out), "--quant", "q4", "--quiet"])
     assert err == f"waste: error: {out}: cannot write the container: No space left on device"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_is_one_line_and_exit_130(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C: the shell's code for SIGINT (128 + 2), not a check's failure (1), and no traceback."""
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("waste.plan.make_plan", interrupted)
+    assert main(["plan", "tiny"]) == 130
+    assert capsys.readouterr().err == "waste: interrupted\n"

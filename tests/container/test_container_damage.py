@@ -134,6 +134,35 @@ def test_flipped_byte_in_padding(container: Path, capsys: pytest.CaptureFixture[
     assert code == 2 and f"nonzero padding in bytes {start}..{end} before tensor {after!r}" in err
 
 
+def test_nonzero_padding_inside_an_expert_blob_and_after_the_trunk(tmp_path_factory: pytest.TempPathFactory,
+                                                                    tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A q8 container has padding between an expert's parts, at the end of its blob and after the
+    last trunk tensor (the f32 fixture has none of these): each nonzero byte there is named."""
+    container = tmp_path / "q8.waste"
+    shutil.copytree(tiny_container(tmp_path_factory, quant="q8"), container)
+    with open_container(container) as c:
+        parts, blob = c._manifest.experts.parts, c._manifest.experts.blob_bytes
+        layer = c._manifest.experts.layers[0]
+        last = max((c.entry(n) for n in c.names()), key=lambda e: e.offset)
+        trunk_end = last.offset + last.nbytes
+        trunk_size = c.byte_counts()["trunk_bytes"]
+    between = parts[0].offset + parts[0].nbytes
+    tail = parts[-1].offset + parts[-1].nbytes
+    assert parts[1].offset > between and blob > tail and trunk_size > trunk_end
+    for name, offset in (("experts.bin", between), ("experts.bin", tail), ("trunk.bin", trunk_end)):
+        path = container / name
+        data = bytearray(path.read_bytes())
+        data[offset] = 0xFF
+        path.write_bytes(bytes(data))
+    assert main(["verify", str(container)]) == 2
+    out = capsys.readouterr().out
+    assert f"nonzero padding before w3 of expert 0, layer {layer}" in out
+    assert f"nonzero padding at the end of expert 0, layer {layer}" in out
+    assert f"nonzero padding after the last tensor (bytes {trunk_end}..{trunk_size})" in out
+    assert out.count("\n") == 3
+
+
 def test_verify_collects_every_problem(container: Path) -> None:
     with open_container(container) as c:
         offsets = [c.entry(n).offset for n in c.names()[:3]]

@@ -234,13 +234,16 @@ def test_evicted_buffers_are_reused_only_when_unreferenced(tmp_path):
 
 def test_hand_worked_lru_and_lfu(tmp_path):
     c = ExpertBlobContainer(tmp_path, seed=7)
-    # A A B C A at 2 entries (A, B, C = experts 0, 1, 2 of layer 1):
+    # At 2 entries (A, B, C = experts 0, 1, 2 of layer 1), A A B C A:
     # LRU: A miss, A hit, B miss [A B], C miss evicts A [B C], A miss -> 1 hit.
     # LFU: A miss, A hit (A:2), B miss (B:1), C miss evicts B (count 1) -> {A, C}, A hit -> 2 hits.
-    for policy, hits in (("lru", [0, 1, 0, 0, 0]), ("lfu", [0, 1, 0, 0, 1])):
+    # A B A C A B tells LRU from first in, first out, which A A B C A does not:
+    # LRU: A B miss, A hit [B A], C miss evicts B [A C], A hit [C A], B miss; FIFO's C would evict A.
+    for policy, order, hits in (("lru", (0, 0, 1, 2, 0), [0, 1, 0, 0, 0]), ("lfu", (0, 0, 1, 2, 0), [0, 1, 0, 0, 1]),
+                                ("lru", (0, 1, 0, 2, 0, 1), [0, 0, 1, 0, 1, 0])):
         with StreamingExpertStore(c, 2 * PAGE, policy, read_threads=1) as store:
             seen = []
-            for e in (0, 0, 1, 2, 0):
+            for e in order:
                 store.get(1, [e])
                 seen.append(int(store.last_hits[0]))
             assert seen == hits, policy

@@ -103,6 +103,41 @@ def test_forward_matches_reference_and_fetches_each_expert_once(router_weights: 
     assert info.dedup_ratio > 1
 
 
+class MappedStore(FakeStore):
+    """A store that maps every expert, as the memory-mapped one does: a decode step whose experts
+    all have rows runs through the layer's expert tables (routing and experts in one call)."""
+
+    maps_every_expert = True
+
+    def count_request(self, layer_index: int, unique: np.ndarray) -> None:
+        pass
+
+    def handed_out(self, layer_index: int, e: int) -> tuple[QMatrix, QMatrix, QMatrix]:
+        return self.experts[layer_index, e]
+
+
+@pytest.mark.parametrize("router_weights", ["unbiased", "biased"])
+def test_decode_through_the_expert_tables_matches_reference(router_weights: str) -> None:
+    """The decode step `waste run` takes over a map (routing inside the tables' kernel) chooses
+    and weighs the experts as the reference does in either router mode: the steps above run
+    the prefill's path and would not see the tables read the mode wrongly. (One shared expert,
+    as wide as a routed one: twice as wide, they would not run together.)"""
+    cfg = _config(num_shared_experts=1)
+    rng = np.random.default_rng(23)
+    layer, arrays, store = _build(cfg, rng, router_weights)
+    mapped = MappedStore(store.experts)
+    layer.forward(rng.standard_normal((40, cfg.hidden_size)).astype(np.float32), mapped)  # every expert gets rows
+    for _ in range(4):
+        x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
+        fetched = len(mapped.calls)
+        y, info = layer.forward(x, mapped)
+        assert len(mapped.calls) == fetched  # through the tables: nothing asked of the store
+        want, ids, weights = _reference(cfg, arrays, store, x, router_weights)
+        assert_close(y, want, RTOL)
+        np.testing.assert_array_equal(info.ids, ids)
+        np.testing.assert_allclose(info.weights, weights, rtol=1e-6)
+
+
 class ReversedFetchStore(FakeStore):
     """A store whose `fetch` hands the experts out last id first, as a slow read might."""
 

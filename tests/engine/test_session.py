@@ -69,6 +69,9 @@ def test_damaged_and_foreign_sessions_are_refused(q8, tmp_path, capsys):
     (tmp_path / "flipped.session").write_bytes(bytes(data))
     (tmp_path / "short.session").write_bytes(bytes(data[: len(data) // 3]))
     other = tiny_container(tmp_path / "other", quant="q8", seed=1)
+    biased = tmp_path / "biased.session"
+    assert main(["run", str(q8), "--prompt-ids", "5,6,7", "--max-new", "1", "--router-weights", "biased",
+                 "--session-out", str(biased)]) == 0
     capsys.readouterr()
     for argv, message in [
         (["run", str(q8), "--session-in", str(tmp_path / "flipped.session")], "session"),
@@ -77,6 +80,8 @@ def test_damaged_and_foreign_sessions_are_refused(q8, tmp_path, capsys):
         (["run", str(other), "--session-in", str(s)], "belongs to another container"),
         (["run", str(q8), "--session-in", str(s), "--router-weights", "biased"],
          "was run with --router-weights unbiased, this run has biased"),
+        (["run", str(q8), "--session-in", str(biased)],  # the saved choice, not a default that matches
+         "was run with --router-weights biased, this run has unbiased"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err

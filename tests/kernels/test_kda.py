@@ -104,6 +104,22 @@ def test_short_conv_sequence_and_ring() -> None:
         sc.short_conv_silu(x, taps, np.zeros((W, C), np.float32))
 
 
+def test_short_prefill_after_a_filled_ring() -> None:
+    """A prefill shorter than the ring, resumed from a ring that holds earlier tokens (a session's
+    second prompt of two tokens), keeps the ring's later rows: it must equal stepping token by
+    token. From a zero ring, a wrong shift would move zeros and go unseen."""
+    rng = np.random.default_rng(15)
+    C, W = 24, 4
+    taps = sc.conv_taps(rng.standard_normal((C, 1, W)).astype(np.float32))
+    x = rng.standard_normal((2, C)).astype(np.float32)
+    ring = rng.standard_normal((W - 1, C)).astype(np.float32)
+    stepped = ring.copy()
+    want = np.stack([sc.short_conv_silu_step(x[t], taps, stepped) for t in range(2)])
+    got = sc.short_conv_silu(x, taps, ring)
+    np.testing.assert_array_equal(ring, stepped)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_stacked_conv_step_equals_separate_steps() -> None:
     """The decode path runs the q, k, v convs in one call; it must equal three separate steps."""
     rng = np.random.default_rng(14)

@@ -71,6 +71,26 @@ def test_prefill_then_decode_equals_one_pass() -> None:
     assert max_abs_diff(o, o_all) <= ATOL and max_abs_diff(state, s_all) <= ATOL
 
 
+@pytest.mark.parametrize("path", ["recurrent", "chunk", "decode"])
+def test_small_q_and_k_meet_the_l2_norms_epsilon(path: str) -> None:
+    """q and k whose squared norms (~1e-6) are of the order of the L2 normalisation's epsilon:
+    there the epsilon shapes the result, and every path must add it where the reference does."""
+    rng = np.random.default_rng(31)
+    T, H, K, V = 70, 2, 16, 12
+    q, k, v, g, beta, s0 = kda_inputs(rng, T, H, K, V)
+    q, k = (2.5e-4 * q).astype(np.float32), (2.5e-4 * k).astype(np.float32)
+    assert 1e-7 < float(np.median(np.sum(q.astype(np.float64) ** 2, axis=-1))) < 1e-5
+    if path == "recurrent":
+        o, s = recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    elif path == "chunk":
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    else:
+        s = s0.copy()
+        o = np.stack([kda_decode_step(q[t], k[t], v[t], g[t], beta[t], s) for t in range(T)])
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    assert max_abs_diff(o, o_ref) <= ATOL and max_abs_diff(s, s_ref) <= ATOL
+
+
 def test_chunk_kernel_writes_every_output() -> None:
     rng = np.random.default_rng(24)
     T, H, Kd, V = 37, 2, 16, 11

@@ -106,6 +106,21 @@ def test_activation_codes_match_reference() -> None:
     assert np.all(xq[:, 70:] == 0)
 
 
+def test_activation_codes_round_half_to_even() -> None:
+    """Codes exactly halfway between two integers round to the even one (NumPy's rint, the
+    reference's rule): random inputs never land on a tie, so this group is built to (amax 127
+    makes every code the input itself)."""
+    X = np.zeros((1, 32), np.float32)
+    X[0, :8] = [127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5, -3.5]
+    xq = np.zeros((1, 32), np.int8)
+    xsum = np.zeros((1, 1), np.int32)
+    xs = np.zeros((1, 1), np.float32)
+    activations.quantize_activations(X, xq, xsum, xs)
+    codes, _ = ref.reference_quantize_activation(X)
+    np.testing.assert_array_equal(xq[0, :8], [127, 2, 4, -2, 0, 0, 2, -4])
+    np.testing.assert_array_equal(xq.reshape(codes.shape), codes)
+
+
 SHAPES = [(37, 70, 9), (16, 32, 1), (4, 16, 5), (1, 33, 4), (96, 320, 13), (64, 288, 29)]  # 29 = 16 + 8 + 4 + 1
 
 
