@@ -23,6 +23,9 @@ def test_kimi_linear_preset_matches_the_published_shape():
     assert cfg.routed_scaling_factor == 2.446 and cfg.first_k_dense_replace == 1
     assert cfg.moe_layers == list(range(1, 27))
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (163584, 163586, 163839)
+    # FACTS.md: kv_a_layernorm's eps is 1e-6 (HF remote code and transformers), not rms_norm_eps
+    # (1e-5) nor vLLM's 1e-5; the goldens' tolerance barely sees the difference, so it is held here.
+    assert cfg.rms_norm_eps == 1e-5 and cfg.kv_layernorm_eps == 1e-6
 
 
 def test_k3_preset_reads_text_config_and_detects_variants():
@@ -33,6 +36,7 @@ def test_k3_preset_reads_text_config_and_detects_variants():
     assert cfg.kda_gate == "lower_bound" and cfg.gate_lower_bound == -5.0
     assert cfg.kda_full_rank_gate and cfg.mla_output_gate and cfg.q_lora_rank == 1536
     assert cfg.expert_input_size == 3584 and cfg.hidden_act == "situ"
+    assert cfg.kv_layernorm_eps == 1e-6  # q_a and kv_a layernorms alike (FACTS.md)
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -26,6 +26,15 @@ from waste.errors import WasteError
 from waste.reference.model import ReferenceModel
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
+# How far from a golden the oracle and the engine may be (relative L2 of the logits). A golden is
+# float32 arithmetic through a tiny model's few layers: how far it is from the exact result is
+# what the float64 oracle measures, at most 1.25e-6 (mlx-lm's kimi_linear, the longest prompt),
+# and that is the same on every machine, so the oracle is held to twice it: a misreading of the
+# specification worth a few 1e-6 (MLA's layernorm epsilon at 1e-5 instead of 1e-6: 1.5e-6 to
+# 3.1e-6) shows. The float32 engine adds rounding of its own, which moves with its kernels (its
+# K3 decode steps 3.1e-6 and 1.9e-6 at two commits of 2026-12-05): about 2.5 times the largest seen.
+ORACLE_GOLDEN_RTOL = 2.5e-6
+ENGINE_GOLDEN_RTOL = 8e-6
 # (golden file, checkpoint directory, whose numbers they are)
 GOLDENS = (
     ("kimi_linear_tiny.npz", "kimi_linear_tiny", "transformers KimiLinearForCausalLM"),
