@@ -6,6 +6,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from waste.analysis.plots import (
     byte_unit,
     bytes_table,
+    plot_golden_errors,
     plot_heatmap,
     plot_histograms,
     plot_layer_errors,
@@ -75,6 +76,20 @@ def test_layer_errors_bars_follow_the_data():
     (ax,) = _render(fig)
     heights = sorted(p.get_height() for p in ax.patches)
     np.testing.assert_allclose(heights, [1e-7, 3e-7, 2e-6])
+
+
+def test_golden_errors_bars_follow_the_data_and_skip_what_was_not_run():
+    from types import SimpleNamespace
+
+    rows = [SimpleNamespace(implementation="a", checkpoint="x", prompt_error=1e-6, oracle_error=5e-7,
+                            decode_error=None),
+            SimpleNamespace(implementation="b", checkpoint="y", prompt_error=2e-6, oracle_error=None,
+                            decode_error=3e-6)]
+    (ax,) = _render(plot_golden_errors(rows, engine_bound=8e-6, oracle_bound=2.5e-6))
+    _labelled(ax)
+    heights = sorted(h for h in (p.get_height() for p in ax.patches) if np.isfinite(h))
+    np.testing.assert_allclose(heights, [5e-7, 1e-6, 2e-6, 3e-6])  # no bar for what did not run
+    assert sorted(line.get_ydata()[0] for line in ax.get_lines()) == [2.5e-6, 8e-6]
 
 
 def test_bytes_table_rows_and_units():

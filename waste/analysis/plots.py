@@ -227,6 +227,29 @@ def plot_position_errors(errors: Sequence[float], prompt_len: int, *, tolerance:
     return fig
 
 
+def plot_golden_errors(agreements: Sequence, *, engine_bound: float, oracle_bound: float) -> Figure:
+    """Each golden's relative L2 of the logits (`waste.analysis.goldens.GoldenAgreement`s): the
+    engine's prompt, the oracle's prompt and the engine's decode steps as bars (a golden with no
+    decode steps has no bar there), with each side's bound."""
+    fig = Figure(figsize=(8, 3.2), layout="constrained")
+    ax = fig.subplots()
+    series = (("engine, prompt", [a.prompt_error for a in agreements]),
+              ("oracle, prompt", [np.nan if a.oracle_error is None else a.oracle_error for a in agreements]),
+              ("engine, decode", [np.nan if a.decode_error is None else a.decode_error for a in agreements]))
+    for i, (name, values) in enumerate(series):
+        ax.bar([x + 0.27 * (i - 1) for x in range(len(agreements))], values, width=0.27, label=name)
+    ax.axhline(engine_bound, color="black", linewidth=0.8, linestyle="--", label=f"engine's bound {engine_bound:.1e}")
+    ax.axhline(oracle_bound, color="tab:orange", linewidth=0.8, linestyle=":",
+               label=f"oracle's bound {oracle_bound:.1e}")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(agreements)), [f"{a.implementation}\n{a.checkpoint}" for a in agreements], fontsize=7)
+    ax.set_xlabel("golden (whose implementation, which checkpoint)")
+    ax.set_ylabel("relative L2 of the logits")
+    ax.set_title("Against other implementations' float32 logits")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside: the bounds run across
+    return fig
+
+
 def bytes_table(rows: Mapping[str, Mapping[str, int]], labels: Mapping[str, str] | None = None) -> str:
     """A plain-text table of byte counts (rows x parts) in human units."""
     parts = list(dict.fromkeys(p for r in rows.values() for p in r))
