@@ -205,6 +205,9 @@ def test_null_linear_beta_is_allowed():
          "language_model.model.layers.1.block_sparse_moe.experts.0.w2 is not"),
         (lambda t, d: _quant(t)["ignore"].append(r"re:.*experts\.17\.w1$"), "is mxfp4-pack-quantized, "
          "language_model.model.layers.1.block_sparse_moe.experts.17.w1 is not"),
+        # a plain module name, written without the checkpoint's language_model. prefix
+        (lambda t, d: _quant(t)["ignore"].append("model.layers.1.block_sparse_moe.experts.17.w1"),
+         "is mxfp4-pack-quantized, language_model.model.layers.1.block_sparse_moe.experts.17.w1 is not"),
     ],
 )
 def test_bad_k3_config_names_the_key(mutate, message):

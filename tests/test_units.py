@@ -37,3 +37,7 @@ def test_sizes():
     assert parse_size("1.5G") == 3 << 29 and parse_size("100.0") == 100
     with pytest.raises(WasteError, match="a fraction of a byte; give a unit, such as 1.5G"):
         parse_size("1.5")
+
+
+def test_terabytes():
+    assert parse_size("2T") == parse_size("2TiB") == 2 << 40

@@ -203,3 +203,16 @@ def test_a_failed_check_names_what_failed():
     assert [f.split()[0] for f in worse.failures()] == ["relative", "greedy", "stored"]
     good = dataclasses.replace(report, weights=dataclasses.replace(weights_off, error=1e-3))
     assert good.passed and good.failures() == []
+
+
+def test_a_clear_margin_disagreement_fails_the_check(tmp_path_factory):
+    """An engine whose greedy choice differs where the oracle's margin is clear (the logits
+    negated: every argmax becomes the argmin) fails on that alone, naming the positions."""
+    q4 = tiny_container(tmp_path_factory.mktemp("greedy") / "q4", quant="q4")
+    with open_container(q4) as c:
+        model = Model(c)
+        model.final_norm = -model.final_norm
+        prompt = [int(t) for t in np.random.default_rng(2).integers(0, c.config.vocab_size, 20)]
+        report = check_against_oracle(c, prompt, 4, model=model)
+    assert report.greedy_clear > 0 and len(report.greedy_disagreements) == report.greedy_clear
+    assert any(f.startswith("greedy disagreement at positions") for f in report.failures())

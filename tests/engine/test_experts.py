@@ -610,3 +610,18 @@ def test_a_blob_truncated_between_check_and_read_is_named(tmp_path: Path) -> Non
         reads._populate = True
         with pytest.raises(ContainerChanged, match="truncated"):
             reads.read(0, 4096)
+
+
+def test_stats_hit_rate_and_read_speed(tmp_path_factory):
+    """Hit rate counts lookups, not calls: 4 lookups over 2 calls with 1 hit is 25%, in the stats,
+    their JSON and their table; the read speed is the bytes over the reads' time."""
+    q4 = tiny_container(tmp_path_factory.mktemp("stats") / "q4", quant="q4")
+    with open_container(q4) as c, StreamingExpertStore(c, 1 << 30, read_threads=1) as store:
+        layer = c.config.moe_layers[0]
+        store.get(layer, [0, 1])
+        store.get(layer, [1, 2])
+        s = store.stats.layer(layer)
+        assert (s.calls, s.requests, s.hits) == (2, 4, 1)
+        assert s.hit_rate == 0.25 and store.stats.as_dict()["layers"][str(layer)]["hit_rate"] == 0.25
+        assert s.gbps == pytest.approx(s.bytes_read / s.read_seconds / 1e9)
+        assert store.stats.format_table().splitlines()[-1].split()[4] == "25.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -11,12 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import waste.engine.memory as memory
 import waste.engine.model as model_module
 from waste.cli import main
 from waste.container.reader import open_container
-from waste.engine.experts import StreamingExpertStore
-from waste.engine.memory import MemoryPlan, available_memory, measure_runtime, plan_run_memory
+from waste.engine.experts import GUESS_LAYERS, StreamingExpertStore
+from waste.engine.memory import MemoryPlan, available_memory, measure_runtime, plan_memory, plan_run_memory
 from waste.engine.model import Model
+from waste.engine.moe_layer import GROUP_ROWS
+from waste.plan import container_weight_bytes
 from waste.testing import tiny_container
 from waste.units import parse_size
 
@@ -285,3 +289,56 @@ def test_the_warm_up_meets_every_kernel_a_run_uses(q4) -> None:
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_planned_state_is_what_the_session_holds(q4):
+    """The plan's state term is the session's bytes after the same positions, the KDA layers'
+    pending updates included."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 500, 40)]
+    with open_container(q4) as c:
+        model = Model(c)
+        session = model.new_session(len(prompt) + 3)
+        logits = model.prefill(session, prompt, all_logits=False)[-1]
+        for _ in range(3):
+            logits = model.decode(session, int(np.argmax(logits)))
+        plan = plan_run_memory(c, session.position, chunk=32, pass_tokens=2048, runtime=0, decode_tokens=3,
+                               available=1 << 30)
+    assert plan.state == sum(session.state_bytes.values())
+
+
+def test_working_memory_counts_a_group_of_routed_rows(q4, monkeypatch):
+    """A prefill's MoE runs GROUP_ROWS routed rows at a time: its inputs, gate, up and outputs
+    (float32) are in the working memory, and nothing else changes with it."""
+    with open_container(q4) as c:
+        cfg, w = c.config, container_weight_bytes(c)
+    kw = dict(chunk=32, pass_tokens=2048, runtime=0, decode_tokens=0, available=1 << 30)
+    with_group = plan_memory(cfg, w, 600, **kw)
+    monkeypatch.setattr(memory, "GROUP_ROWS", 0)
+    without = plan_memory(cfg, w, 600, **kw)
+    rows = min(600 * cfg.num_experts_per_token, GROUP_ROWS)
+    expert_in = cfg.routed_expert_hidden_size or cfg.hidden_size
+    assert with_group.working - without.working == 4 * rows * (2 * expert_in + 5 * cfg.moe_intermediate_size)
+
+
+def test_decode_working_holds_its_misses_and_the_guesses(q4):
+    """A decode step holds its own layer's experts and the GUESS_LAYERS layers' guessed ones; a
+    prefill pass, every expert its tokens pick. Experts made huge so that they set the figures."""
+    with open_container(q4) as c:
+        cfg = c.config
+        huge = dataclasses.replace(container_weight_bytes(c), per_expert=1 << 40)
+    p = plan_memory(cfg, huge, 600, chunk=32, pass_tokens=2048, runtime=0, decode_tokens=64, available=1 << 62)
+    per_layer = min(cfg.num_experts, cfg.num_experts_per_token)
+    assert p.decode_working >> 40 == (1 + GUESS_LAYERS) * per_layer
+    assert p.working >> 40 == max(min(cfg.num_experts, 600 * cfg.num_experts_per_token),
+                                  (1 + GUESS_LAYERS) * per_layer)
+
+
+def test_a_prefill_pass_is_priced_at_pass_tokens_not_the_context(q4):
+    """A prompt longer than a pass is read pass by pass: its working memory is one pass's, and
+    only the state grows with the context."""
+    with open_container(q4) as c:
+        cfg, w = c.config, container_weight_bytes(c)
+    kw = dict(chunk=16, pass_tokens=64, runtime=0, decode_tokens=0, available=1 << 30)
+    one_pass, four_passes = plan_memory(cfg, w, 64, **kw), plan_memory(cfg, w, 256, **kw)
+    assert four_passes.working == one_pass.working and four_passes.trunk == one_pass.trunk
+    assert four_passes.state > one_pass.state

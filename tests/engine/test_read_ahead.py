@@ -19,6 +19,7 @@ from waste.container.format import ContainerError
 from waste.container.reader import open_container
 from waste.engine.experts import GUESS_LAYERS, IO_MODES, MmapExpertStore, StreamingExpertStore
 from waste.engine.model import Model
+from waste.engine.moe_layer import MoELayer
 from waste.errors import WasteError
 from waste.testing import tiny_container
 
@@ -388,3 +389,37 @@ def test_a_full_cache_still_reads_every_layer_ahead(q4, layers_cached) -> None:
     assert ahead["cached"] == plain["cached"] and ahead["peak"] <= budget
     first = c.config.num_experts  # the first layer's misses are read ahead as the pass begins too
     assert ahead["prefill"]["ahead_used"] == ahead["prefill"]["misses"] == len(layers) * first
+
+
+def test_each_guess_uses_the_guessed_layers_router(q4):
+    """A decode step guesses layer n's experts with layer n's own norm and router (the hidden
+    state it will have is the one it has now): each guess equals what that layer's route gives
+    the same state, which a wrong router would only match by chance."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 500, 40)]
+    with open_container(q4) as c, StreamingExpertStore(c, 0, read_threads=4) as store:
+        model = Model(c, store=store)
+        assert store.takes_guesses
+        routed: list[tuple[int, np.ndarray]] = []
+        for i, ffn in enumerate(model.ffn):
+            if isinstance(ffn, MoELayer):
+                def route(x, i=i, original=ffn.route):
+                    out = original(x)
+                    routed.append((i, np.sort(out[0][0])))
+                    return out
+                ffn.route = route
+        guesses = []
+        original_guess = store.guess
+
+        def guess(layer, ids):
+            guesses.append((layer, np.asarray(ids).copy(), routed[-1]))
+            return original_guess(layer, ids)
+
+        store.guess = guess
+        session = model.new_session(len(prompt) + 4)
+        logits = model.prefill(session, prompt, all_logits=False)[-1]
+        for _ in range(4):
+            logits = model.decode(session, int(np.argmax(logits)))
+    assert guesses
+    for layer, ids, (routed_by, want) in guesses:
+        assert routed_by == layer
+        np.testing.assert_array_equal(ids, want)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numba
 import numpy as np
@@ -73,3 +74,19 @@ def test_speeds_are_undefined_without_tokens() -> None:
     assert np.isnan(empty.prefill_tps) and np.isnan(empty.decode_tps)
     run = runner.RunResult(prompt_len=8, generated=[1, 2], logits=[], prefill_seconds=0.5, decode_seconds=0.25)
     assert run.prefill_tps == 16.0 and run.decode_tps == 8.0
+
+
+def test_run_memory_line_agrees_with_the_store_table(tmp_path_factory, capsys):
+    """`waste run`'s line "hit rate ..., read ... GB" says what the store's table counts: hits over
+    lookups, and the misses' blobs in GB (1e9 bytes)."""
+    q4 = tiny_container(tmp_path_factory.mktemp("runner") / "q4", quant="q4")
+    ids = ",".join(str(int(t)) for t in np.random.default_rng(5).integers(3, 500, 40))
+    assert main(["run", str(q4), "--prompt-ids", ids, "--max-new", "4", "--expert-cache", "1G"]) == 0
+    out = capsys.readouterr().out
+    total = next(x for x in out.splitlines() if x.split()[:1] == ["total"]).split()
+    requests, hits, misses = int(total[1]), int(total[2]), int(total[3])
+    with open_container(q4) as c:
+        blob = int(c.expert_span(c.config.moe_layers[0], 0)[1])
+    assert misses > 0 and f"hit rate {100 * hits / requests:.1f}%" in out
+    m = re.search(r"read (\d+\.\d\d) GB", out)
+    assert m and m.group(1) == f"{misses * blob / 1e9:.2f}", (m and m.group(0), misses * blob)
