@@ -204,3 +204,14 @@ def test_a_checkpoint_without_tokenizer_gives_a_container_without_one(tmp_path, 
     err = capsys.readouterr().err
     assert "has no tokenizer (the checkpoint it was converted from had no tiktoken.model)" in err
     assert err.count("\n") == 1
+
+
+def test_a_stream_holds_back_a_split_character_and_flush_shows_what_was_left(tokenizer_dir):
+    """The two bytes of "é" as two tokens: nothing until the second; a reply that ends after the
+    first gets the replacement character from flush, not silence."""
+    tok = load_tokenizer(tokenizer_dir)
+    first, second = (tok.encoding.encode_single_token(bytes([b])) for b in "é".encode())
+    stream = tok.stream()
+    assert stream.push(first) == "" and stream.push(second) == "é" and stream.flush() == ""
+    stream = tok.stream()
+    assert stream.push(first) == "" and stream.flush() == "\ufffd"

@@ -250,6 +250,10 @@ def _rewrite(hf: Path, edit) -> None:
         (lambda t: t["model.norm.weight"].__setitem__(3, np.nan), "'model.norm.weight' holds NaN"),
         (lambda t: t.update({"model.layers.0.self_attn.A_log": np.ones(16, np.float32)}),
          "is not zero past the 4 heads"),
+        # the first value past the heads alone: an off-by-one would not see it
+        (lambda t: t.update({"model.layers.0.self_attn.A_log":
+                             np.r_[np.ones(4), 0.5, np.zeros(11)].astype(np.float32)}),
+         "is not zero past the 4 heads"),
     ],
 )
 def test_bad_checkpoint(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit,
