@@ -42,10 +42,9 @@ class ValueRegion:
 # The bits that make a value NaN or infinite: the exponent field all ones (E8M0 has only an exponent).
 _NOT_A_NUMBER_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00),
                       "bfloat16": (np.uint16, 0x7F80), "e8m0": (np.uint8, 0xFF)}
-# What each stored buffer's values are, by (storage, buffer name); the rest are integer codes.
-_BUFFER_VALUES = {("f32", "w"): "float32", ("bf16", "w"): "bfloat16", ("q8g", "scales"): "float16",
-                  ("q8g", "tscale"): "float32", ("q4g", "scales"): "float16", ("q4g", "tscale"): "float32",
-                  ("mxfp4", "scales"): "e8m0"}
+# Buffers whose integer dtype holds values (waste.qformat.buffer_layout): bfloat16 kept as uint16,
+# MXFP4's E8M0 scales as uint8. Float dtypes are values by their dtype; other integers are codes.
+_VALUES_IN_INTEGERS = {("bf16", "w"): "bfloat16", ("mxfp4", "scales"): "e8m0"}
 
 
 def holds_non_number(piece: np.ndarray, kind: str) -> bool:
@@ -58,10 +57,9 @@ def holds_non_number(piece: np.ndarray, kind: str) -> bool:
 def value_regions(entry: TensorEntry, base: int, what: str, where: str = "") -> tuple[ValueRegion, ...]:
     """The value-holding buffers of a tensor whose span starts at byte `base` of its file; `what`
     names the tensor in a problem, `where` is added after the buffer's name."""
-    kind_of = "f32" if entry.kind == "array" else entry.storage
     regions = []
     for b in entry.buffers:
-        kind = _BUFFER_VALUES.get((kind_of, b.name))
+        kind = b.dtype if b.dtype in ("float32", "float16") else _VALUES_IN_INTEGERS.get((entry.storage, b.name))
         if kind is not None and b.nbytes:
             problem = "the E8M0 NaN scale byte 255" if kind == "e8m0" else "NaN or infinite values"
             regions.append(ValueRegion(base + b.offset, base + b.offset + b.nbytes, kind,
